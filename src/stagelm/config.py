@@ -1,0 +1,230 @@
+"""Typed, frozen views of params.yaml: one dataclass per section.
+
+Every section of params.yaml maps to a dataclass below. `load_section` checks a raw
+mapping against it and fails on the first unknown key, missing key or wrong value
+with one line naming the dotted key and what was expected, e.g.
+
+    pack.seq_len: expected a positive int, got 'long'
+
+Constraints live next to each field (`metadata={"check": ...}`), so the rules a key
+obeys are read in one place. Stages load only the sections they read.
+"""
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stagelm.errors import StagelmError
+
+# --- value checks: (predicate, the words used in the error) -------------------------
+
+# The text is what the error says was expected; {type} is filled with the field's type.
+POSITIVE = (lambda v: v > 0, "a positive {type}")
+NON_NEGATIVE = (lambda v: v >= 0, "a non-negative {type}")
+FRACTION = (lambda v: 0 < v < 1, "a {type} in (0, 1)")
+UNIT = (lambda v: 0 <= v <= 1, "a {type} in [0, 1]")
+MESH_AXIS = (lambda v: v == -1 or v >= 1, "-1 (infer) or a positive {type}")
+
+
+def one_of(*choices: str) -> tuple:
+    return (lambda v: v in choices, f"one of {', '.join(map(repr, choices))}")
+
+
+def checked(check: tuple, **kwargs: Any) -> Any:
+    """A dataclass field whose value must pass `check`."""
+    return dataclasses.field(metadata={"check": check}, **kwargs)
+
+
+# --- sections ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str  # synthetic | files:<path or glob> | hf:<dataset id or local dataset dir>
+    seed: int = checked(NON_NEGATIVE)  # the data's own seed, apart from the training seed
+    val_fraction: float = checked(FRACTION)
+    num_documents: int = checked(POSITIVE)  # synthetic corpus size
+    text_field: str  # column holding the text for files/hf sources
+    hf_revision: str | None  # pin of a hub dataset (branch, tag or commit)
+    hf_split: str
+    max_documents: int | None = checked(POSITIVE)  # cap on documents read from files/hf
+    sft_files: str | None  # jsonl with `messages`; default: the synthetic task families
+    rl_files: str | None  # jsonl with `family`, `prompt`, `spec`
+    eval_files: str | None  # jsonl with `family`, `prompt`, `chat_prompt`, `spec`
+    num_sft: int = checked(POSITIVE)  # synthetic SFT conversations
+    num_rl: int = checked(POSITIVE)  # synthetic RL prompts
+    num_eval: int = checked(POSITIVE)  # synthetic held-out prompts per task family
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    vocab_size: int = checked(POSITIVE)
+    min_frequency: int = checked(POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    seq_len: int = checked((lambda v: v >= 2, "an {type} >= 2"))
+    rows_per_shard: int = checked(POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = checked(POSITIVE)
+    n_layers: int = checked(POSITIVE)
+    n_heads: int = checked(POSITIVE)
+    n_kv_heads: int = checked(POSITIVE)
+    d_ff: int = checked(POSITIVE)
+    rope_theta: float = checked(POSITIVE)
+    norm_eps: float = checked(POSITIVE)
+    tie_embeddings: bool
+    dtype: str = checked(one_of("float32", "bfloat16", "float16"))  # compute dtype
+    param_dtype: str = checked(one_of("float32", "bfloat16"))
+    remat: str = checked(one_of("none", "block"))
+    init_std: float = checked(POSITIVE)
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise StagelmError(f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            raise StagelmError(f"model.n_kv_heads: {self.n_kv_heads} does not divide model.n_heads {self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise StagelmError("model.n_heads: the head size d_model/n_heads must be even for RoPE")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    lr: float = checked(POSITIVE)
+    min_lr_ratio: float = checked(UNIT)  # final lr of cosine / wsd as a fraction of lr
+    schedule: str = checked(one_of("constant", "cosine", "wsd"))
+    warmup_steps: int = checked(NON_NEGATIVE)
+    decay_fraction: float = checked(UNIT)  # wsd: share of steps spent decaying
+    weight_decay: float = checked(NON_NEGATIVE)
+    decay_embeddings: bool  # apply weight decay to embeddings too (never to norms)
+    beta1: float = checked(UNIT)
+    beta2: float = checked(UNIT)
+    eps: float = checked(POSITIVE)
+    grad_clip: float = checked(NON_NEGATIVE)  # global-norm clip; 0 turns it off
+    batch_size: int = checked(POSITIVE)  # global rows per microbatch
+    grad_accum: int = checked(POSITIVE)
+    steps: int = checked(POSITIVE)
+    eval_every: int = checked(POSITIVE)
+    eval_batches: int = checked(POSITIVE)
+    # Execution settings: read by the stage, but no DVC param and not in the resume
+    # fingerprint, since they do not change what is learned.
+    log_every: int = checked(POSITIVE)
+    checkpoint_every: int = checked(POSITIVE)
+    keep_checkpoints: int = checked(POSITIVE)
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps >= self.steps:
+            raise StagelmError(
+                f"training.warmup_steps: {self.warmup_steps} must be below training.steps {self.steps}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = checked(MESH_AXIS)
+    fsdp: int = checked(MESH_AXIS)
+    tensor: int = checked(MESH_AXIS)
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+    "pack": PackConfig,
+    "model": ModelConfig,
+    "training": TrainingConfig,
+    "mesh": MeshConfig,
+}
+
+# Keys that tune how a stage runs, not what it computes: never DVC params, never hashed
+# into a resume fingerprint.
+EXECUTION_KEYS = {"training.log_every", "training.checkpoint_every", "training.keep_checkpoints"}
+
+
+# --- parsing -------------------------------------------------------------------------
+
+
+def read_params(path: str | Path) -> dict[str, Any]:
+    """Read params.yaml as a mapping (yaml.safe_load; nothing in it is executed)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StagelmError(f"{path}: params file not found; run from the project root or pass --params")
+    try:
+        params = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        raise StagelmError(f"{path}: not valid YAML{line}; fix the syntax") from None
+    if not isinstance(params, dict):
+        raise StagelmError(f"{path}: expected a mapping of sections at the top level")
+    return params
+
+
+def load_section(params: dict[str, Any], name: str) -> Any:
+    """The typed, validated dataclass of section `name` of `params`."""
+    if name not in params:
+        raise StagelmError(f"{name}: section missing from params.yaml; add it (see README)")
+    return parse_dataclass(SECTIONS[name], params[name], name)
+
+
+def load_seed(params: dict[str, Any]) -> int:
+    if "seed" not in params:
+        raise StagelmError("seed: missing from params.yaml; add e.g. `seed: 0`")
+    return check_value(params["seed"], int, "seed", NON_NEGATIVE)
+
+
+def parse_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise StagelmError(f"{prefix}: expected a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            raise StagelmError(f"{prefix}.{key}: unknown key; expected one of {', '.join(fields)}")
+    values = {}
+    for name, field in fields.items():
+        if name not in raw:
+            raise StagelmError(f"{prefix}.{name}: missing; add it to params.yaml")
+        values[name] = check_value(raw[name], hints[name], f"{prefix}.{name}", field.metadata.get("check"))
+    return cls(**values)
+
+
+def check_value(value: Any, hint: Any, key: str, check: tuple | None = None) -> Any:
+    """Return `value` converted to `hint`, or raise naming `key` and what was expected."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return check_value(value, hint, key, check)
+    if dataclasses.is_dataclass(hint):
+        return parse_dataclass(hint, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise StagelmError(f"{key}: expected a list, got {value!r}")
+        return tuple(check_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+    words = {int: "int", float: "float", str: "string", bool: "bool"}[hint]
+    ok = isinstance(value, hint) and not (hint is not bool and isinstance(value, bool))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if ok and check is not None and not check[0](value):
+        ok = False
+    if not ok:
+        what = check[1].format(type=words) if check else ("an int" if hint is int else f"a {words}")
+        raise StagelmError(f"{key}: expected {what}, got {value!r}")
+    return value
+
+
+def section_dict(config: Any) -> dict[str, Any]:
+    """A dataclass as a plain dict (tuples as lists), for JSON and fingerprints."""
+    def plain(v: Any) -> Any:
+        return [plain(x) for x in v] if isinstance(v, tuple) else v
+
+    return {k: plain(v) for k, v in dataclasses.asdict(config).items()}

@@ -1,0 +1,51 @@
+"""Small file helpers shared by every stage: atomic writes, sha256, JSON."""
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file and a rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Atomically write `obj` as indented, key-sorted JSON."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: str | Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_tree(path: str | Path) -> str:
+    """One sha256 over a file or over every file of a directory (relative names and contents)."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(file.relative_to(path)).encode() + b"\0" + sha256_file(file).encode())
+    return h.hexdigest()

@@ -1,0 +1,100 @@
+"""Read packed splits: manifest checks and a Grain loader of numpy batches.
+
+`open_split` verifies a split directory against its manifest (schema, every shard's
+sha256) and memory-maps its Arrow shards. `batch_iterator` builds the Grain pipeline:
+this process's shard of the rows (`shard_index::shard_count`, for multi-host runs),
+a seeded shuffle that changes every epoch, repetition and batching. Its iterator is
+checkpointable: `get_state()` is a small JSON-able dict, and `set_state()` on a fresh
+iterator resumes exactly where the saved one was.
+"""
+
+import bisect
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+import pyarrow as pa
+
+from stagelm.errors import StagelmError
+from stagelm.files import read_json, sha256_file
+
+SCHEMA_VERSION = 1
+
+
+def read_manifest(split_dir: str | Path) -> dict[str, Any]:
+    path = Path(split_dir) / "manifest.json"
+    if not path.is_file():
+        raise StagelmError(f"{path}: manifest missing; run `dvc repro pack` (or `dvc pull pack`)")
+    try:
+        manifest = read_json(path)
+    except ValueError:
+        raise StagelmError(f"{path}: not valid JSON; rerun `dvc repro pack`") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise StagelmError(f"{path}: schema_version {manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    return manifest
+
+
+def verify_shards(split_dir: str | Path, manifest: dict[str, Any]) -> None:
+    """Fail naming the first shard that is missing or whose sha256 differs from the manifest."""
+    for shard in manifest["shards"]:
+        path = Path(split_dir) / shard["file"]
+        if not path.is_file():
+            raise StagelmError(f"{path}: shard listed in manifest.json is missing; run `dvc checkout` or `dvc repro pack`")
+        if sha256_file(path) != shard["sha256"]:
+            raise StagelmError(f"{path}: sha256 differs from manifest.json (corrupt or edited); run `dvc checkout`")
+
+
+class PackedRows:
+    """Random access to the rows of a packed split: row i is a dict of (row_len,) int32 arrays."""
+
+    def __init__(self, split_dir: str | Path, verify: bool = True):
+        self.dir = Path(split_dir)
+        self.manifest = read_manifest(self.dir)
+        if verify:
+            verify_shards(self.dir, self.manifest)
+        self.columns = self.manifest["columns"]
+        self.shards: list[dict[str, np.ndarray]] = []
+        self.starts: list[int] = []
+        total = 0
+        for shard in self.manifest["shards"]:
+            table = pa.ipc.open_file(pa.memory_map(str(self.dir / shard["file"]))).read_all()
+            width = self.manifest["row_len"]
+            cols = {c: table[c].combine_chunks().values.to_numpy(zero_copy_only=False).reshape(-1, width)
+                    for c in self.columns}  # fmt: skip
+            self.shards.append(cols)
+            self.starts.append(total)
+            total += shard["rows"]
+        self.rows = total
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        shard = bisect.bisect_right(self.starts, index) - 1
+        local = index - self.starts[shard]
+        return {c: a[local] for c, a in self.shards[shard].items()}
+
+    def all_rows(self) -> dict[str, np.ndarray]:
+        """Every row, in order, as (rows, row_len) arrays."""
+        return {c: np.concatenate([s[c] for s in self.shards]) for c in self.columns}
+
+
+def batch_iterator(
+    rows: PackedRows,
+    batch_size: int,
+    seed: int,
+    *,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+) -> grain.DatasetIterator:
+    """A checkpointable iterator of dicts of (batch_size, row_len) numpy arrays."""
+    ds = grain.MapDataset.source(rows)[shard_index::shard_count]
+    if len(ds) == 0:
+        raise StagelmError(f"{rows.dir}: no rows for process {shard_index} of {shard_count}; pack more data")
+    if shuffle:
+        ds = ds.shuffle(seed)
+    ds = ds.repeat(num_epochs).batch(batch_size, drop_remainder=num_epochs is None)
+    return iter(ds.to_iter_dataset())

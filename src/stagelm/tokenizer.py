@@ -1,0 +1,94 @@
+"""Byte-level BPE tokenizer (Hugging Face `tokenizers`) and the chat template.
+
+Pre-tokenization splits digits into single-digit pieces before the byte-level step,
+so numbers are spelled digit by digit (small models learn arithmetic far better
+that way). Byte-level BPE means every unicode string round-trips exactly.
+
+Special tokens take the first ids, in this order: pad 0, bos 1, eos 2, then the chat
+roles and the end-of-turn marker. The chat template is
+
+    <|user|>{user text}<|end|><|assistant|>{assistant text}<|end|>
+
+and only the assistant text and its `<|end|>` are trained on in SFT.
+"""
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from stagelm.errors import StagelmError
+
+PAD, BOS, EOS, USER, ASSISTANT, END = "<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT, END]
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    """Train byte-level BPE with single-digit pre-tokenization on `texts`."""
+    if vocab_size < MIN_VOCAB:
+        raise StagelmError(
+            f"tokenizer.vocab_size: {vocab_size} is below {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} specials); raise it"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise StagelmError(f"{path}: tokenizer not found; run `dvc repro tokenizer`")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:
+        raise StagelmError(f"{path}: not a valid tokenizer.json; rerun `dvc repro tokenizer`") from None
+    for i, special in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(special) != i:
+            raise StagelmError(f"{path}: special token {special} is not id {i}; retrain it with `dvc repro tokenizer`")
+    return tok
+
+
+def special_id(tok: Tokenizer, token: str) -> int:
+    return SPECIAL_TOKENS.index(token)
+
+
+def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids of each text as int32 arrays (multi-threaded in the Rust core)."""
+    return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+
+def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a conversation; the mask is 1 on assistant text and its <|end|>."""
+    ids: list[int] = []
+    mask: list[int] = []
+    role_ids = {"user": SPECIAL_TOKENS.index(USER), "assistant": SPECIAL_TOKENS.index(ASSISTANT)}
+    end = SPECIAL_TOKENS.index(END)
+    for message in messages:
+        role = message["role"]
+        if role not in role_ids:
+            raise StagelmError(f"chat message role {role!r} is not 'user' or 'assistant'")
+        body = tok.encode(message["content"], add_special_tokens=False).ids + [end]
+        trained = int(role == "assistant")
+        ids += [role_ids[role]] + body
+        mask += [0] + [trained] * len(body)
+    return ids, mask
+
+
+def chat_prompt_ids(tok: Tokenizer, user_text: str) -> list[int]:
+    """Ids of a one-turn chat prompt ready for the assistant's answer."""
+    ids, _ = chat_segments(tok, [{"role": "user", "content": user_text}])
+    return ids + [SPECIAL_TOKENS.index(ASSISTANT)]
