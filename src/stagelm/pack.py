@@ -97,7 +97,10 @@ def write_split(out_dir: Path, columns: dict[str, np.ndarray], rows_per_shard: i
             writer.write_table(table)
         tmp.replace(path)
         shards.append({"file": path.name, "rows": len(part["tokens"]), "sha256": sha256_file(path)})
-    real = int((columns["segment_ids"] > 0).sum())
+    real_tokens = columns["tokens"][columns["segment_ids"] > 0]
+    real = int(real_tokens.size)
+    counts = np.bincount(real_tokens)
+    freqs = counts[counts > 0] / real
     manifest = {
         "schema_version": SCHEMA_VERSION,
         **meta,
@@ -105,6 +108,8 @@ def write_split(out_dir: Path, columns: dict[str, np.ndarray], rows_per_shard: i
         "rows": n_rows,
         "tokens": real,
         "packing_efficiency": real / (n_rows * row_len),
+        # Entropy of the token frequencies (nats): the loss of a model that ignores context.
+        "unigram_entropy_nats": float(-(freqs * np.log(freqs)).sum()),
         "columns": sorted(columns),
         "shards": shards,
     }

@@ -1,0 +1,87 @@
+"""Resumable training checkpoints (Orbax) keyed by a stage fingerprint.
+
+Checkpoints live in `<root>/<fingerprint>/`, a git-ignored folder that dvc.yaml does
+not declare, so DVC neither deletes, caches nor hashes them. The fingerprint hashes
+what determines the run's result: the code files the stage imported, the params it
+read (execution settings such as mesh, logging and checkpoint cadence left out) and
+the sha256 of its inputs. A rerun resumes only from its own fingerprint's folder.
+
+Each checkpoint holds the train state (params, optimizer state, step, RNG key), the
+data iterator's state and the metric history so far. Orbax keeps the latest
+`keep` checkpoints plus the best by validation loss.
+"""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
+
+from stagelm.files import sha256_file
+
+
+def loaded_code_files(script: str | Path) -> list[Path]:
+    """The stage script and every stagelm module it has imported: the stage's code deps."""
+    files = {Path(script).resolve()}
+    for name, module in list(sys.modules.items()):
+        if (name == "stagelm" or name.startswith("stagelm.")) and getattr(module, "__file__", None):
+            files.add(Path(module.__file__).resolve())
+    return sorted(files)
+
+
+def fingerprint(code_files: list[Path], params: dict[str, Any], input_hashes: dict[str, str]) -> str:
+    """A short hex digest of code contents, params read and input hashes."""
+    h = hashlib.sha256()
+    for path in code_files:
+        h.update(path.name.encode() + b"\0" + sha256_file(path).encode() + b"\n")
+    h.update(json.dumps(params, sort_keys=True).encode())
+    h.update(json.dumps(input_hashes, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+class Checkpoints:
+    """An Orbax CheckpointManager for one fingerprint's folder."""
+
+    def __init__(self, directory: str | Path, keep: int):
+        self.directory = Path(directory).resolve()
+        policy = pp.AnyPreservationPolicy(
+            [pp.LatestN(keep), pp.BestN(get_metric_fn=lambda m: -m["val_loss"], n=1,  # keeps the highest
+                                        keep_checkpoints_without_metrics=False)]
+        )  # fmt: skip
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy,
+            # Synchronous saves: the next step donates (reuses) the state's buffers.
+            enable_async_checkpointing=False,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "extra"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any, extra: dict[str, Any], val_loss: float | None) -> None:
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
+        metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        self.manager.save(step, args=args, metrics=metrics, force=True)
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
+        """(state laid out like `target`, with its shardings; the JSON extra) of checkpoint `step`."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore())
+        restored = self.manager.restore(step, args=args)
+        return restored["state"], restored["extra"]
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def other_fingerprints(root: str | Path, current: str) -> list[str]:
+    root = Path(root)
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != current) if root.is_dir() else []

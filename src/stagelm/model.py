@@ -1,0 +1,172 @@
+"""The decoder: a Llama-style transformer in Flax NNX, read top to bottom.
+
+    norm (RMSNorm) → rope (RoPE) → Attention (GQA, segment-aware causal) → MLP (SwiGLU)
+    → Block (pre-norm residual) → Decoder (embed, blocks, final norm, tied or untied head)
+
+Packed rows hold several documents: `segment_ids` keep a token from attending to
+another document and `positions` restart at each document, so a document's logits
+inside a packed row equal its logits when run alone.
+
+Every parameter carries logical axis names (`axes` metadata: "vocab", "embed",
+"heads", "kv_heads", "head_dim", "mlp", "norm") that `stagelm.sharding` maps onto the
+mesh, so the same code runs on one device or shards over data, fsdp and tensor.
+Attention and MLP weights are stored per head / fused (q: (D, H, Dh), kv: (D, 2, K, Dh),
+gate_up: (D, 2, F)) so that tensor parallelism can split heads and the MLP's hidden
+width without mixing q, k and v.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from stagelm.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"
+    remat: str = "none"  # none | block: recompute each block's activations in the backward pass
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DecoderConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, std: float, dtype: Any) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std, axes=axes)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich, 2019), computed in float32."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention (Su et al., 2021). x: (B, T, H, Dh); positions: (B, T)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, Dh/2)
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def segment_causal_mask(q_segments: jax.Array, kv_segments: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+    """(B, 1, T, S) bool: a query sees keys of its own segment at or before its position."""
+    same = q_segments[:, :, None] == kv_segments[:, None, :]
+    causal = kv_pos[:, None, :] <= q_pos[:, :, None]
+    return (same & causal)[:, None]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        d, h, k, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual init
+        self.q = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), cfg.init_std, pd)
+        self.kv = param(rngs, (d, 2, k, dh), ("embed", None, "kv_heads", "head_dim"), cfg.init_std, pd)
+        self.o = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), out_std, pd)
+        self.cfg = cfg
+
+    def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dt))  # (B, T, H, Dh)
+        kv = jnp.einsum("btd,dskh->sbtkh", x, self.kv[...].astype(dt))  # (2, B, T, K, Dh)
+        q = rope(q, positions, self.cfg.rope_theta)
+        k = rope(kv[0], positions, self.cfg.rope_theta)
+        return q, k, kv[1]
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        q, k, v = self.project_qkv(x, positions)
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")  # (B, T, H, Dh)
+        y = constrain(y, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("bthk,hkd->btd", y, self.o[...].astype(x.dtype))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
+        self.gate_up = param(rngs, (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pd)
+        self.down = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gu = jnp.einsum("btd,dsf->sbtf", x, self.gate_up[...].astype(x.dtype))  # (2, B, T, F)
+        h = constrain(jax.nn.silu(gu[0]) * gu[1], ("batch", "seq", "mlp"))  # SwiGLU (Shazeer, 2020)
+        return h @ self.down[...].astype(x.dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.attn_norm = nnx.Param(jnp.ones(cfg.d_model, cfg.param_dtype), axes=("norm",))
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = nnx.Param(jnp.ones(cfg.d_model, cfg.param_dtype), axes=("norm",))
+        self.mlp = MLP(cfg, rngs)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions, mask)
+        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
+        return constrain(x, ("batch", "seq", "embed_act"))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = nnx.Param(jnp.ones(cfg.d_model, pd), axes=("norm",))
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
+
+    def hidden(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """Final-norm hidden states (B, T, D) of token rows (B, T)."""
+        x = self.embed[...].astype(self.cfg.dtype)[tokens]
+        x = constrain(x, ("batch", "seq", "embed_act"))
+        mask = segment_causal_mask(segment_ids, segment_ids, positions, positions)
+        for block in self.blocks:
+            if self.cfg.remat == "block":
+                x = nnx.remat(lambda b, x: b(x, positions, mask))(block, x)
+            else:
+                x = block(x, positions, mask)
+        return rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        return h @ w.astype(h.dtype)  # (B, T, V)
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        return self.logits(self.hidden(tokens, segment_ids, positions))
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N (matmul params) + 12·L·D·T for attention (PaLM, Chowdhery et al., 2022, app. B)."""
+    d, dh = cfg.d_model, cfg.head_dim
+    per_layer = 2 * d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh + 3 * d * cfg.d_ff
+    matmul_params = cfg.n_layers * per_layer + cfg.vocab_size * d
+    return 6 * matmul_params + 12 * cfg.n_layers * d * seq_len

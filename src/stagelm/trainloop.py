@@ -1,0 +1,223 @@
+"""The one training loop every training stage runs: pretrain, SFT, distill, GRPO.
+
+It places the state on the mesh, resumes from the fingerprint's last checkpoint,
+steps the jitted train step over Grain batches, evaluates, checkpoints, logs
+through dvclive and stops on a non-finite loss with the last good checkpoint kept.
+What differs between stages is the model, which variables train (`trainable`) and
+the loss function.
+
+Metrics reach the host one step late: step i's loss is read after step i+1 was
+dispatched, so the device never waits for the host.
+"""
+
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from stagelm.checkpoint import Checkpoints, other_fingerprints
+from stagelm.config import TrainingConfig
+from stagelm.errors import StagelmError
+from stagelm.loader import PackedRows, batch_iterator
+from stagelm.metrics import MetricLog
+from stagelm.sharding import batch_sharding, param_shardings, replicated
+from stagelm.train import LossFn, TrainState, init_state, lm_loss, lr_schedule, make_eval_step, make_optimizer, make_train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    model: nnx.Module
+    history: list[dict[str, float]]
+    summary: dict[str, Any]
+    resumed_from: int | None
+
+
+def shard_state(model: nnx.Module, trainable: Any, mesh: jax.sharding.Mesh) -> tuple[Any, Any, Any, Any]:
+    """(graphdef, params, frozen, params shardings) of `model`, placed on `mesh`."""
+    graphdef, params, frozen = nnx.split(model, trainable, ...)
+    p_sh, f_sh = param_shardings(params, mesh), param_shardings(frozen, mesh)
+    return graphdef, jax.device_put(params, p_sh), jax.device_put(frozen, f_sh), p_sh
+
+
+def state_shardings(tx: Any, params: Any, p_sh: Any, mesh: jax.sharding.Mesh) -> TrainState:
+    """Shardings of the whole TrainState: optimizer moments shard like their params."""
+    import optax
+
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, abstract_opt, p_sh, transform_non_params=lambda _: replicated(mesh),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )  # fmt: skip
+    return TrainState(p_sh, opt_sh, replicated(mesh), replicated(mesh))
+
+
+def global_batch(local: dict[str, np.ndarray], accum: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """(accum, rows, L) global arrays from this process's rows, split over data×fsdp."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *batch_sharding(mesh).spec))
+    return {k: jax.make_array_from_process_local_data(sharding, v.reshape(accum, -1, v.shape[-1]))
+            for k, v in local.items()}  # fmt: skip
+
+
+def evaluate(eval_step: Any, params: Any, frozen: Any, rows: PackedRows, batch_size: int, max_batches: int | None,
+             mesh: jax.sharding.Mesh) -> tuple[float, float]:  # fmt: skip
+    """(token-weighted mean loss, tokens counted) over the first batches of `rows`, in order."""
+    it = batch_iterator(rows, batch_size, 0, shard_index=jax.process_index(), shard_count=jax.process_count(),
+                        shuffle=False, num_epochs=1)  # fmt: skip
+    total, weight = jnp.zeros(()), jnp.zeros(())
+    for i, batch in enumerate(it):
+        if max_batches is not None and i >= max_batches:
+            break
+        if len(batch["tokens"]) < batch_size:  # pad the last batch with empty rows (weight 0)
+            batch = {k: np.pad(v, ((0, batch_size - len(v)), (0, 0))) for k, v in batch.items()}
+        b = {k: v[0] for k, v in global_batch(batch, 1, mesh).items()}
+        loss, w = eval_step(params, frozen, b)
+        total, weight = total + loss, weight + w
+    weight = float(weight)
+    return float(total) / max(weight, 1.0), weight
+
+
+def train(
+    model: nnx.Module,
+    cfg: TrainingConfig,
+    train_rows: PackedRows,
+    val_rows: PackedRows,
+    *,
+    seed: int,
+    mesh: jax.sharding.Mesh,
+    out_dir: Path,
+    checkpoint_root: Path,
+    fingerprint: str,
+    trainable: Any = nnx.Param,
+    loss_fn: LossFn = lm_loss,
+    flops_per_token: float | None = None,
+    peak_flops: float | None = None,
+) -> TrainResult:
+    """Train `model` for `cfg.steps` steps (resuming when a checkpoint exists) and return it."""
+    if cfg.batch_size % jax.process_count():
+        raise StagelmError(f"training.batch_size: {cfg.batch_size} does not split over {jax.process_count()} processes")
+    with jax.set_mesh(mesh):
+        graphdef, params, frozen, p_sh = shard_state(model, trainable, mesh)
+        tx = make_optimizer(cfg, params)
+        st_sh = state_shardings(tx, params, p_sh, mesh)
+        state = jax.jit(lambda p: init_state(p, tx, jax.random.key(seed)), out_shardings=st_sh)(params)
+        step_fn = make_train_step(graphdef, tx, loss_fn, out_shardings=(st_sh, replicated(mesh)))
+        eval_fn = make_eval_step(graphdef, loss_fn)
+        local_rows = cfg.batch_size * cfg.grad_accum // jax.process_count()
+        data = batch_iterator(train_rows, local_rows, seed, shard_index=jax.process_index(),
+                              shard_count=jax.process_count())  # fmt: skip
+
+        ckpt = Checkpoints(checkpoint_root / fingerprint, cfg.keep_checkpoints)
+        history, resumed = [], ckpt.latest_step()
+        if resumed is not None:
+            state, extra = ckpt.restore(resumed, state)
+            data.set_state(extra["loader"])
+            history = extra["history"]
+            print(f"resuming from step {resumed} (checkpoint {ckpt.directory})", flush=True)
+        else:
+            others = other_fingerprints(checkpoint_root, fingerprint)
+            why = (f"checkpoints exist only for other fingerprints {others} (code, params or inputs changed)"
+                   if others else "no checkpoint yet")  # fmt: skip
+            print(f"starting fresh at step 0: {why}", flush=True)
+
+        log = MetricLog(out_dir, history, total_steps=cfg.steps, log_every=cfg.log_every)
+        schedule = lr_schedule(cfg)
+        start = int(state.step)
+        pending: tuple[int, dict] | None = None
+        tokens_per_step = cfg.batch_size * cfg.grad_accum * (train_rows.manifest["row_len"] - 1)
+        timer = StepTimer()
+        last_val = None
+
+        def finish_step(step: int, metrics: dict) -> None:
+            loss = float(metrics["loss"])
+            if not math.isfinite(loss):
+                kept = ckpt.latest_step()
+                raise StagelmError(
+                    f"training: loss is {loss} at step {step}; last good checkpoint: "
+                    f"{'step ' + str(kept) if kept is not None else 'none'} in {ckpt.directory}; lower training.lr"
+                )
+            row = {"step": step, "train/loss": loss, "train/grad_norm": float(metrics["grad_norm"]),
+                   "train/lr": float(schedule(step - 1)), "train/tokens": float(metrics["tokens"])}  # fmt: skip
+            rate = timer.rate(tokens_per_step)
+            if rate is not None:
+                row["perf/tokens_per_sec"] = rate
+            log.add(row)
+
+        for step in range(start + 1, cfg.steps + 1):
+            batch = global_batch(next(data), cfg.grad_accum, mesh)
+            state, metrics = step_fn(state, frozen, batch)
+            timer.tick(step == start + 1)
+            if pending is not None:
+                finish_step(*pending)
+            pending = (step, metrics)
+            is_eval = step % cfg.eval_every == 0 or step == cfg.steps
+            if is_eval or step % cfg.checkpoint_every == 0:
+                finish_step(*pending)
+                pending = None
+            last_val = None
+            if is_eval:
+                last_val, _ = evaluate(eval_fn, state.params, frozen, val_rows, cfg.batch_size, cfg.eval_batches, mesh)
+                log.add_to_last({"val/loss": last_val})
+                timer.pause()
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                ckpt.save(step, state, {"loader": data.get_state(), "history": log.history}, last_val)
+                timer.pause()
+        if pending is not None:
+            finish_step(*pending)
+        ckpt.close()
+
+    model = nnx.merge(graphdef, state.params, frozen)
+    summary = summarize(log.history, timer, tokens_per_step, flops_per_token, peak_flops)
+    log.close(summary)
+    return TrainResult(model, log.history, summary, resumed)
+
+
+class StepTimer:
+    """Steady-state step times: the first step (compile) and steps after eval/checkpoint pauses are excluded."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.times: list[float] = []
+        self.first_call: float | None = None
+        self.t0 = time.perf_counter()
+
+    def tick(self, first: bool) -> None:
+        now = time.perf_counter()
+        if first:
+            self.first_call = now - self.t0
+        elif self.last is not None:
+            self.times.append(now - self.last)
+        self.last = now
+
+    def pause(self) -> None:
+        self.last = None
+
+    def rate(self, tokens: int) -> float | None:
+        return tokens / self.times[-1] if self.times else None
+
+
+def summarize(history: list[dict], timer: StepTimer, tokens_per_step: int, flops_per_token: float | None,
+              peak_flops: float | None) -> dict[str, Any]:  # fmt: skip
+    last = history[-1]
+    vals = [r["val/loss"] for r in history if "val/loss" in r]
+    step_s = float(np.median(timer.times)) if timer.times else None
+    tps = tokens_per_step / step_s if step_s else None
+    mfu = tps * flops_per_token / peak_flops if (tps and flops_per_token and peak_flops) else None
+    return {
+        "step": last["step"],
+        "train_loss": last["train/loss"],
+        "val_loss": vals[-1] if vals else None,
+        "best_val_loss": min(vals) if vals else None,
+        "tokens_seen": last["step"] * tokens_per_step,
+        "tokens_trained": sum(r["train/tokens"] for r in history),
+        "tokens_per_sec": tps,
+        "step_seconds": step_s,
+        "first_step_seconds": timer.first_call,
+        "mfu": mfu,
+    }

@@ -1,0 +1,71 @@
+"""pretrain stage: train the decoder from scratch on the packed corpus.
+
+    python stages/pretrain.py --params params.yaml --train data/packed/train --val data/packed/val \
+        --tokenizer data/tokenizer/tokenizer.json --out runs/pretrain --checkpoints runs/.checkpoints/pretrain
+
+Resumes from the last checkpoint of its fingerprint when one exists (a killed
+`dvc repro` continues where it stopped); writes `<out>/model/`, dvclive metrics and
+plots, and provenance.json.
+"""
+
+import argparse
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from stagelm.checkpoint import fingerprint, loaded_code_files
+from stagelm.config import EXECUTION_KEYS, load_section, load_seed, read_params, section_dict
+from stagelm.errors import StagelmError, run_main
+from stagelm.files import sha256_file
+from stagelm.hardware import describe_devices, peak_flops
+from stagelm.loader import PackedRows
+from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token
+from stagelm.modelio import save_model
+from stagelm.provenance import now, write_provenance
+from stagelm.sharding import make_mesh
+from stagelm.trainloop import train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    for flag in ("--train", "--val", "--tokenizer", "--out", "--checkpoints"):
+        parser.add_argument(flag, required=True, type=Path)
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args()
+    started = now()
+    params = read_params(args.params)
+    model_cfg, tcfg, mesh_cfg = (load_section(params, s) for s in ("model", "training", "mesh"))
+    seed = load_seed(params)
+
+    train_rows, val_rows = PackedRows(args.train), PackedRows(args.val)
+    manifest = train_rows.manifest
+    if sha256_file(args.tokenizer) != manifest["tokenizer_sha256"]:
+        raise StagelmError(f"{args.tokenizer}: differs from the tokenizer {args.train} was packed with; rerun `dvc repro pack`")
+    cfg = DecoderConfig(vocab_size=manifest["vocab_size"], **section_dict(model_cfg))
+
+    read = {"model": section_dict(model_cfg), "training": section_dict(tcfg), "seed": seed}
+    hashed = {k: {n: v for n, v in sec.items() if f"{k}.{n}" not in EXECUTION_KEYS} if isinstance(sec, dict) else sec
+              for k, sec in read.items()}  # fmt: skip
+    inputs = {"train": args.train / "manifest.json", "val": args.val / "manifest.json", "tokenizer": args.tokenizer}
+    fp = fingerprint(loaded_code_files(__file__), hashed, {k: sha256_file(p) for k, p in inputs.items()})
+
+    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    model = Decoder(cfg, nnx.Rngs(seed))
+    print(f"pretrain: {count_params(model):,} params on {mesh.devices.size} {jax.devices()[0].platform} device(s); "
+          f"mesh {dict(mesh.shape)}; fingerprint {fp}", flush=True)  # fmt: skip
+    result = train(
+        model, tcfg, train_rows, val_rows, seed=seed, mesh=mesh, out_dir=args.out, checkpoint_root=args.checkpoints,
+        fingerprint=fp, flops_per_token=flops_per_token(cfg, manifest["seq_len"]), peak_flops=peak_flops(cfg.dtype),
+    )  # fmt: skip
+    save_model(args.out / "model", result.model, args.tokenizer, {"params_count": count_params(result.model)})
+    if jax.process_index() == 0:
+        extra = {"fingerprint": fp, "resumed_from": result.resumed_from, "devices": describe_devices(),
+                 "summary": result.summary}  # fmt: skip
+        write_provenance(args.out / "provenance.json", "pretrain", read, inputs, started, extra)
+    s = result.summary
+    print(f"pretrain: done at step {s['step']}: train loss {s['train_loss']:.4f}, val loss {s['val_loss']:.4f}")
+
+
+if __name__ == "__main__":
+    run_main(main)
