@@ -35,7 +35,9 @@ def main() -> None:
     args = parser.parse_args()
     started = now()
     params = read_params(args.params)
-    model_cfg, tcfg, mesh_cfg = (load_section(params, s) for s in ("model", "training", "mesh"))
+    model_cfg = load_section(params, "model")
+    tcfg = load_section(params, "training")
+    mesh_cfg = load_section(params, "mesh")
     seed = load_seed(params)
 
     train_rows, val_rows = PackedRows(args.train), PackedRows(args.val)

@@ -79,12 +79,17 @@ def match_files(pattern: str) -> list[Path]:
     kinds = {BUILDERS[p.suffix] for p in found}
     if len(kinds) > 1:
         raise StagelmError(f"data.source: 'files:{pattern}' mixes file kinds {sorted(kinds)}; use one kind")
+    blank = True
     for p in found:
         if p.suffix != ".parquet":
             try:
-                p.read_bytes().decode("utf-8")
+                blank = blank and not p.read_bytes().decode("utf-8").strip()
             except UnicodeDecodeError as err:
                 raise StagelmError(f"{p}: not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
+        else:
+            blank = False
+    if blank:
+        raise StagelmError(f"data.source: 'files:{pattern}' holds no non-empty documents; point it at a corpus with text")
     return found
 
 
@@ -98,8 +103,9 @@ def read_files(pattern: str, text_field: str) -> list[str]:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **kwargs)
     except Exception as err:  # datasets raises many types for a malformed file
         raise StagelmError(f"data.source: could not read {pattern!r} as {builder}: {first_line(err)}") from None
-    field = "text" if builder == "text" else text_field
-    return column_texts(ds, field, f"files:{pattern}")
+    if builder == "text":  # a paragraph keeps the file's final newline; drop it
+        return [t.rstrip("\n") for t in column_texts(ds, "text", f"files:{pattern}")]
+    return column_texts(ds, text_field, f"files:{pattern}")
 
 
 def read_hf(name: str, cfg: DataConfig) -> list[str]:

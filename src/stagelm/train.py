@@ -60,7 +60,7 @@ def lr_schedule(cfg: TrainingConfig) -> optax.Schedule:
     floor = cfg.lr * cfg.min_lr_ratio
     warm = max(cfg.warmup_steps, 1)
     warmup = optax.linear_schedule(cfg.lr / warm, cfg.lr, warm - 1)
-    rest = cfg.steps - warm + 1
+    rest = max(cfg.steps - warm, 1)  # the main part ends at index steps - 1, the last update
     if cfg.schedule == "constant":
         main = optax.constant_schedule(cfg.lr)
     elif cfg.schedule == "cosine":

@@ -1,0 +1,69 @@
+"""The `stagelm` command: what DVC does not do.
+
+    stagelm check [--params params.yaml] [--pipeline dvc.yaml]
+        validate every params section and every data manifest that exists, in seconds,
+        before any compute is spent.
+"""
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from stagelm.config import SECTIONS, load_section, load_seed, read_params
+from stagelm.errors import StagelmError, run_main
+from stagelm.files import read_json, sha256_file
+
+
+def pipeline_vars(pipeline: Path) -> dict[str, str]:
+    """The `vars` of dvc.yaml (paths are named there once)."""
+    if not pipeline.is_file():
+        raise StagelmError(f"{pipeline}: not found; run from the project root or pass --pipeline")
+    doc = yaml.safe_load(pipeline.read_text()) or {}
+    merged: dict[str, str] = {}
+    for entry in doc.get("vars", []):
+        if isinstance(entry, dict):
+            merged.update({k: v for k, v in entry.items() if isinstance(v, str)})
+    return merged
+
+
+def check_manifest_files(directory: Path, entries: list[dict]) -> int:
+    for entry in entries:
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise StagelmError(f"{path}: listed in {directory / 'manifest.json'} but missing; run `dvc checkout`")
+        if sha256_file(path) != entry["sha256"]:
+            raise StagelmError(f"{path}: sha256 differs from {directory / 'manifest.json'}; run `dvc checkout`")
+    return len(entries)
+
+
+def check(args: argparse.Namespace) -> None:
+    params = read_params(args.params)
+    load_seed(params)
+    for name in SECTIONS:
+        load_section(params, name)
+    print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
+    paths = pipeline_vars(Path(args.pipeline))
+    raw = Path(paths.get("raw_dir", "data/raw"))
+    if (raw / "manifest.json").is_file():
+        n = check_manifest_files(raw, list(read_json(raw / "manifest.json")["files"].values()))
+        print(f"ok: {raw}: {n} files match manifest.json")
+    packed = Path(paths.get("packed_dir", "data/packed"))
+    for manifest in sorted(packed.glob("*/manifest.json")):
+        n = check_manifest_files(manifest.parent, read_json(manifest)["shards"])
+        print(f"ok: {manifest.parent}: {n} shards match manifest.json")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="stagelm", description="stagelm: what DVC does not do")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("check", help="validate params.yaml and the data manifests that exist")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--pipeline", default="dvc.yaml")
+    p.set_defaults(func=check)
+    args = parser.parse_args()
+    run_main(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    main()

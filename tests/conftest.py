@@ -1,0 +1,96 @@
+"""Shared fixtures: micro params, micro data built through the real stage code, project copies.
+
+Eight simulated CPU devices are requested before JAX is imported anywhere, so the
+sharding tests can build real meshes; single-device tests use a one-device mesh.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+MICRO = {
+    "data": {"num_documents": 400, "num_sft": 200, "num_rl": 40, "num_eval": 40, "val_fraction": 0.1},
+    "tokenizer": {"vocab_size": 300},
+    "pack": {"seq_len": 32, "rows_per_shard": 64},
+    "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64},
+    "training": {"steps": 12, "batch_size": 8, "warmup_steps": 2, "eval_every": 4, "eval_batches": 2,
+                 "log_every": 2, "checkpoint_every": 4, "keep_checkpoints": 2, "lr": 3e-3},
+}  # fmt: skip
+
+
+def shipped_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def micro_params(**overrides: dict) -> dict:
+    """The shipped params.yaml with the micro sizes (and `overrides`, per section) applied."""
+    params = shipped_params()
+    for section, values in list(MICRO.items()) + list(overrides.items()):
+        if isinstance(values, dict):
+            params[section] = {**params[section], **copy.deepcopy(values)}
+        else:
+            params[section] = values
+    return params
+
+
+def write_params(path: Path, params: dict) -> Path:
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def env_with_venv() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    env.pop("XLA_FLAGS", None)  # stage processes see the real device count
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, timeout: int = 600):
+    result = subprocess.run(cmd, cwd=cwd, env=env or env_with_venv(), capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def make_project(dest: Path, params: dict) -> Path:
+    """A git + DVC copy of the project's tracked files at `dest`, with `params` as params.yaml."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    others = subprocess.run(["git", "ls-files", "-z", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.split(b"\0")  # fmt: skip
+    for name in filter(None, files + others):
+        src = ROOT / name.decode()
+        if src.is_file():
+            target = dest / name.decode()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+    (dest / "dvc.lock").unlink(missing_ok=True)
+    write_params(dest / "params.yaml", params)
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"]):  # fmt: skip
+        run(cmd, dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def micro_data(tmp_path_factory) -> Path:
+    """data/{raw,tokenizer,packed} of the micro params, made by the real stage scripts."""
+    root = tmp_path_factory.mktemp("micro_data")
+    params = write_params(root / "params.yaml", micro_params())
+    py = sys.executable
+    run([py, str(ROOT / "stages/download.py"), "--params", str(params), "--out", "data/raw"], root)
+    run([py, str(ROOT / "stages/tokenizer.py"), "--params", str(params), "--raw", "data/raw", "--out", "data/tokenizer"], root)
+    run([py, str(ROOT / "stages/pack.py"), "--params", str(params), "--raw", "data/raw", "--tokenizer",
+         "data/tokenizer", "--out", "data/packed"], root)  # fmt: skip
+    return root / "data"

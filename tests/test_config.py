@@ -1,0 +1,84 @@
+"""params.yaml parses into typed sections; bad values fail with the dotted key."""
+
+import sys
+
+import pytest
+from conftest import ROOT, micro_params, run, shipped_params, write_params
+
+from stagelm.config import SECTIONS, load_section, load_seed, parse_dataclass
+from stagelm.errors import StagelmError
+
+
+def test_every_shipped_section_parses():
+    params = shipped_params()
+    assert load_seed(params) == 0
+    for name in SECTIONS:
+        cfg = load_section(params, name)
+        assert type(cfg) is SECTIONS[name]
+
+
+def test_micro_params_parse():
+    params = micro_params()
+    for name in SECTIONS:
+        load_section(params, name)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("pack", "seq_len", "long", "pack.seq_len: expected an int >= 2, got 'long'"),
+        ("pack", "seq_len", 1, "pack.seq_len: expected an int >= 2, got 1"),
+        ("training", "lr", "fast", "training.lr: expected a positive float, got 'fast'"),
+        ("training", "lr", -1.0, "training.lr: expected a positive float, got -1.0"),
+        ("training", "steps", True, "training.steps: expected a positive int, got True"),
+        ("training", "schedule", "linear", "training.schedule: expected one of 'constant', 'cosine', 'wsd', got 'linear'"),
+        ("data", "val_fraction", 1.5, "data.val_fraction: expected a float in (0, 1), got 1.5"),
+        ("model", "tie_embeddings", "yes", "model.tie_embeddings: expected a bool, got 'yes'"),
+        ("mesh", "data", 0, "mesh.data: expected -1 (infer) or a positive int, got 0"),
+    ],
+)
+def test_wrong_values_name_the_key(section, key, value, message):
+    params = shipped_params()
+    params[section][key] = value
+    with pytest.raises(StagelmError) as err:
+        load_section(params, section)
+    assert str(err.value) == message
+
+
+def test_unknown_and_missing_keys():
+    params = shipped_params()
+    params["training"]["learning_rate"] = 0.1
+    with pytest.raises(StagelmError, match=r"^training\.learning_rate: unknown key"):
+        load_section(params, "training")
+    params = shipped_params()
+    del params["pack"]["seq_len"]
+    with pytest.raises(StagelmError, match=r"^pack\.seq_len: missing"):
+        load_section(params, "pack")
+    with pytest.raises(StagelmError, match=r"^model: section missing"):
+        load_section({}, "model")
+
+
+def test_cross_field_rules():
+    params = shipped_params()
+    params["model"]["n_kv_heads"] = 3
+    with pytest.raises(StagelmError, match=r"^model\.n_kv_heads"):
+        load_section(params, "model")
+
+
+def test_int_is_accepted_as_float_and_converted():
+    cfg = parse_dataclass(SECTIONS["training"], {**shipped_params()["training"], "lr": 1}, "training")
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+
+
+def test_stagelm_check_cli(tmp_path, micro_data):
+    params = write_params(tmp_path / "params.yaml", micro_params())
+    pipeline = ROOT / "dvc.yaml"
+    ok = run([sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
+             micro_data.parent)  # fmt: skip
+    assert "sections" in ok.stdout and "shards match" in ok.stdout and "files match" in ok.stdout
+    bad = micro_params(pack={"seq_len": "abc"})
+    write_params(params, bad)
+    fail = run([sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
+               tmp_path, check=False)  # fmt: skip
+    assert fail.returncode == 2
+    assert fail.stderr.strip() == "error: pack.seq_len: expected an int >= 2, got 'abc'"

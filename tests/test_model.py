@@ -1,0 +1,82 @@
+"""The decoder: packing-aware attention, GQA, remat and the tied head behave as specified."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token, rope
+
+CFG = DecoderConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+
+
+def run(model, tokens, segments=None, positions=None):
+    tokens = jnp.asarray(tokens)[None]
+    segments = jnp.ones_like(tokens) if segments is None else jnp.asarray(segments)[None]
+    positions = jnp.arange(tokens.shape[1])[None] if positions is None else jnp.asarray(positions)[None]
+    return model(tokens, segments, positions)[0]
+
+
+def test_document_in_a_packed_row_equals_document_alone():
+    model = Decoder(CFG, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(3, 97, n) for n in (5, 7, 4))
+    row = np.concatenate([a, b, c, [0, 0]])
+    seg = np.array([1] * 5 + [2] * 7 + [3] * 4 + [0, 0])
+    pos = np.concatenate([np.arange(5), np.arange(7), np.arange(4), [0, 0]])
+    packed = run(model, row, seg, pos)
+    np.testing.assert_allclose(packed[5:12], run(model, b), atol=1e-5)
+    np.testing.assert_allclose(packed[12:16], run(model, c), atol=1e-5)
+    np.testing.assert_allclose(packed[:5], run(model, a), atol=1e-5)
+
+
+def test_causal_future_tokens_do_not_change_the_past():
+    model = Decoder(CFG, nnx.Rngs(1))
+    x = np.arange(3, 15)
+    y = x.copy()
+    y[8:] = 50
+    np.testing.assert_allclose(run(model, x)[:8], run(model, y)[:8], atol=1e-6)
+    assert not np.allclose(run(model, x)[8:], run(model, y)[8:])
+
+
+def test_rope_is_relative():
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 8))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
+
+    def score(i, j):
+        return float(jnp.sum(rope(q, jnp.array([[i]]), 1e4) * rope(k, jnp.array([[j]]), 1e4)))
+
+    assert score(7, 3) == pytest.approx(score(14, 10), abs=1e-5)
+
+
+def test_remat_changes_memory_not_math():
+    model = Decoder(CFG, nnx.Rngs(2))
+    remat = Decoder(DecoderConfig(**{**CFG.__dict__, "remat": "block"}), nnx.Rngs(2))
+    x = jnp.arange(3, 19)[None]
+    seg, pos = jnp.ones_like(x), jnp.arange(16)[None]
+
+    def loss(m):
+        return jnp.mean(m(x, seg, pos) ** 2)
+
+    g1, g2 = nnx.grad(loss)(model), nnx.grad(loss)(remat)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_untied_head_and_param_count():
+    tied = Decoder(CFG, nnx.Rngs(0))
+    untied = Decoder(DecoderConfig(**{**CFG.__dict__, "tie_embeddings": False}), nnx.Rngs(0))
+    assert count_params(untied) - count_params(tied) == CFG.vocab_size * CFG.d_model
+    d, dh = 32, 8
+    per_layer = d * 4 * dh + d * 2 * 2 * dh + 4 * dh * d + 3 * d * 64 + 2 * d
+    assert count_params(tied) == 2 * per_layer + 97 * d + d
+    assert flops_per_token(CFG, 16) == 6 * (2 * (per_layer - 2 * d) + 97 * d) + 12 * 2 * d * 16
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    model = Decoder(CFG, nnx.Rngs(3))
+    low = Decoder(DecoderConfig(**{**CFG.__dict__, "dtype": "bfloat16"}), nnx.Rngs(3))
+    x = np.arange(3, 19)
+    hi, lo = run(model, x), run(low, x).astype(jnp.float32)
+    assert lo.dtype == jnp.float32 and float(jnp.max(jnp.abs(hi - lo))) < 0.05

@@ -1,0 +1,71 @@
+"""Packing loses no token, lays out segments and positions right, and masks SFT to assistant tokens."""
+
+import numpy as np
+import pytest
+
+from stagelm.files import read_json
+from stagelm.loader import PackedRows
+from stagelm.pack import EOS_ID, pack_next_fit, pack_stream
+from stagelm.rawdata import read_raw
+from stagelm.tokenizer import encode_batch, load_tokenizer
+
+
+def docs_of(lengths, start=10):
+    rng = np.random.default_rng(0)
+    return [rng.integers(start, 200, n).astype(np.int32) for n in lengths]
+
+
+def non_pad(columns):
+    return columns["tokens"][columns["segment_ids"] > 0]
+
+
+@pytest.mark.parametrize("lengths", [[3, 5, 40, 1, 17], [8], [9], [100, 2, 2, 2]])
+def test_stream_packing_loses_no_token(lengths):
+    docs = docs_of(lengths)
+    cols = pack_stream(docs, 9)
+    expected = np.concatenate([np.append(d, EOS_ID) for d in docs])
+    np.testing.assert_array_equal(non_pad(cols), expected)
+    assert cols["tokens"].shape[1] == 9
+
+
+def test_segments_and_positions_restart_per_document():
+    cols = pack_stream(docs_of([3, 2, 6]), 8)  # 4 + 3 + 7 = 14 tokens → 2 rows
+    np.testing.assert_array_equal(cols["segment_ids"], [[1, 1, 1, 1, 2, 2, 2, 3], [1, 1, 1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(cols["positions"], [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5, 0, 0]])
+    assert (cols["tokens"][1, 6:] == 0).all()
+
+
+def test_next_fit_keeps_documents_whole_and_masks():
+    docs = docs_of([3, 4, 2, 12])
+    masks = [np.array([0, 1, 1]), np.array([0, 0, 1, 1]), np.array([1, 1]), np.ones(12, int)]
+    cols = pack_next_fit(docs, masks, 6)
+    np.testing.assert_array_equal(non_pad(cols), np.concatenate([np.append(d, EOS_ID) for d in docs]))
+    # rows: [doc0+eos, pad..], [doc1+eos, pad], [doc2+eos, ...]: no document is cut unless longer than a row
+    np.testing.assert_array_equal(cols["segment_ids"][0], [1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(cols["loss_mask"][0], [0, 1, 1, 0, 0, 0])  # the EOS is not trained on
+    assert cols["segment_ids"].max() <= 2
+
+
+def test_packed_shards_hold_exactly_the_documents(micro_data):
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    for split in ("train", "val"):
+        rows = PackedRows(micro_data / "packed" / split)
+        texts = read_raw(micro_data / "raw", f"corpus_{split}").column("text").to_pylist()
+        expected = np.concatenate([np.append(d, EOS_ID) for d in encode_batch(tok, texts)])
+        cols = rows.all_rows()
+        np.testing.assert_array_equal(non_pad(cols), expected)
+        manifest = rows.manifest
+        assert manifest["tokens"] == len(expected) and manifest["documents"] == len(texts)
+        assert manifest["row_len"] == manifest["seq_len"] + 1 == 33
+        assert len(manifest["shards"]) > 1 and manifest["vocab_size"] == tok.get_vocab_size()
+        assert 0.99 < manifest["packing_efficiency"] <= 1
+        assert 0 < manifest["unigram_entropy_nats"] < np.log(tok.get_vocab_size())
+
+
+def test_sft_rows_train_only_on_assistant_turns(micro_data):
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    cols = PackedRows(micro_data / "packed/sft").all_rows()
+    trained = tok.decode(cols["tokens"][cols["loss_mask"] == 1].tolist(), skip_special_tokens=False)
+    chats = read_raw(micro_data / "raw", "sft").column("messages").to_pylist()
+    assert trained == "".join(m[1]["content"] + "<|end|>" for m in chats)
+    assert read_json(micro_data / "packed/sft/manifest.json")["documents"] == len(chats)

@@ -1,0 +1,58 @@
+"""The BPE tokenizer: exact round trips, single digits, fixed special ids, the chat template."""
+
+import pytest
+
+from stagelm import synthetic
+from stagelm.errors import StagelmError
+from stagelm.tokenizer import (
+    ASSISTANT, END, SPECIAL_TOKENS, USER, chat_prompt_ids, chat_segments, load_tokenizer, train_tokenizer,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(synthetic.generate(0, 800, 1, 1, 1)["corpus"], 400)
+
+
+@pytest.mark.parametrize("text", ["Héllo wörld", "日本語のテキスト 🙂👍🏽", "tabs\tand\nnewlines\r\n  spaces  ",
+                                  "12345 + 678 = 13023", "", "<|user|> looks special but is text"])  # fmt: skip
+def test_any_unicode_round_trips(tok, text):
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+def test_digits_are_single_tokens(tok):
+    pieces = tok.encode("23 plus 58 is 81.", add_special_tokens=False).tokens
+    digit_pieces = [p for p in pieces if any(c.isdigit() for c in p)]
+    assert digit_pieces == ["2", "3", "5", "8", "8", "1"]
+
+
+def test_special_tokens_take_the_first_ids_and_vocab_is_bounded(tok, tmp_path):
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert tok.get_vocab_size() <= 400
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tok.to_str())
+    assert load_tokenizer(path).get_vocab_size() == tok.get_vocab_size()
+
+
+def test_vocab_too_small_for_bytes_and_specials():
+    with pytest.raises(StagelmError, match=r"^tokenizer\.vocab_size: 100 is below 262"):
+        train_tokenizer(["some text"], 100)
+
+
+def test_chat_template_masks_only_assistant_tokens(tok):
+    ids, mask = chat_segments(tok, [{"role": "user", "content": "What is 2 plus 3?"},
+                                    {"role": "assistant", "content": "2 plus 3 is 5."}])  # fmt: skip
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text == f"{USER}What is 2 plus 3?{END}{ASSISTANT}2 plus 3 is 5.{END}"
+    trained = tok.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
+    assert trained == f"2 plus 3 is 5.{END}"
+    assert chat_prompt_ids(tok, "What is 2 plus 3?") == ids[: ids.index(SPECIAL_TOKENS.index(ASSISTANT)) + 1]
+
+
+def test_loads_in_transformers_when_available(tok, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is an optional interop dependency")
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tok.to_str())
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    assert fast.decode(fast.encode("Tom has 12 apples.")) == "Tom has 12 apples."
