@@ -1,0 +1,124 @@
+"""The pretrain stage as a process: resume after SIGKILL ≡ uninterrupted, fresh on change, NaN stops."""
+
+import csv
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, env_with_venv, micro_params, run, write_params
+
+from stagelm.files import read_json
+from stagelm.modelio import load_model
+
+pytestmark = pytest.mark.slow
+
+
+def command(data: Path, work: Path, checkpoints: str = "ckpt") -> list[str]:
+    return [sys.executable, str(ROOT / "stages/pretrain.py"), "--params", str(work / "params.yaml"),
+            "--train", str(data / "packed/train"), "--val", str(data / "packed/val"),
+            "--tokenizer", str(data / "tokenizer/tokenizer.json"), "--out", str(work / "out"),
+            "--checkpoints", str(work / checkpoints)]  # fmt: skip
+
+
+def history(out: Path) -> dict[str, list[tuple[str, str]]]:
+    """Every plotted metric except timings: name → [(step, value)]."""
+    rows = {}
+    for tsv in sorted((out / "plots/metrics").rglob("*.tsv")):
+        name = str(tsv.relative_to(out / "plots/metrics"))
+        if name.startswith("perf/"):
+            continue
+        with tsv.open() as f:
+            rows[name] = [(r["step"], r[Path(name).stem]) for r in csv.DictReader(f, delimiter="\t")]
+    return rows
+
+
+def params_of(out: Path) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(load_model(out / "model"))]
+
+
+LONG = {"steps": 120, "checkpoint_every": 10, "eval_every": 30, "log_every": 10}
+
+
+def test_killed_run_resumes_bitwise(micro_data, tmp_path):
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    for work in (killed, whole):
+        work.mkdir()
+        write_params(work / "params.yaml", micro_params(training=LONG))
+    run(command(micro_data, whole), whole)
+
+    proc = subprocess.Popen(command(micro_data, killed), cwd=killed, env=env_with_venv(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if any(p.name.isdigit() for p in (killed / "ckpt").glob("*/*")):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+    resumed = run(command(micro_data, killed), killed)
+    step = int(resumed.stdout.split("resuming from step ")[1].split()[0])
+    assert 0 < step < LONG["steps"]
+    assert history(killed / "out") == history(whole / "out")
+    assert all(len(v) == len({s for s, _ in v}) for v in history(killed / "out").values())  # no step twice
+    for a, b in zip(params_of(killed / "out"), params_of(whole / "out"), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ma, mb = read_json(killed / "out/metrics.json"), read_json(whole / "out/metrics.json")
+    for key in ("train_loss", "val_loss", "tokens_seen", "step"):
+        assert ma[key] == mb[key]
+    prov = read_json(killed / "out/provenance.json")
+    assert prov["resumed_from"] == step and prov["stage"] == "pretrain"
+
+
+def test_changed_lr_starts_fresh_and_same_params_resume(micro_data, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params())
+    first = run(command(micro_data, tmp_path), tmp_path)
+    assert "starting fresh at step 0: no checkpoint yet" in first.stdout
+    again = run(command(micro_data, tmp_path), tmp_path)
+    assert "resuming from step 12" in again.stdout  # the final checkpoint: nothing left to train
+    write_params(tmp_path / "params.yaml", micro_params(training={"lr": 1e-3}))
+    changed = run(command(micro_data, tmp_path), tmp_path)
+    assert "starting fresh at step 0: checkpoints exist only for other fingerprints" in changed.stdout
+    write_params(tmp_path / "params.yaml", micro_params(training={"log_every": 3, "checkpoint_every": 6}))
+    execution_only = run(command(micro_data, tmp_path), tmp_path)
+    assert "resuming from step 12" in execution_only.stdout
+
+
+def test_best_and_latest_checkpoints_are_kept(micro_data, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params(training={"steps": 24, "checkpoint_every": 4,
+                                                                   "eval_every": 4, "keep_checkpoints": 1}))  # fmt: skip
+    run(command(micro_data, tmp_path), tmp_path)
+    (fp_dir,) = (tmp_path / "ckpt").iterdir()
+    kept = sorted(int(p.name) for p in fp_dir.iterdir() if p.name.isdigit())
+    vals = {int(s): float(v) for s, v in history(tmp_path / "out")["val/loss.tsv"]}
+    best = min(vals, key=vals.get)
+    assert kept == sorted({24, best})
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(micro_data, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params(training={"lr": 1e30, "grad_clip": 0.0, "warmup_steps": 0,
+                                                                   "checkpoint_every": 1}))  # fmt: skip
+    result = run(command(micro_data, tmp_path), tmp_path, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    match = re.match(r"error: training: loss is (nan|inf) at step (\d+); last good checkpoint: step (\d+) in ", line)
+    assert match, line
+    bad, good = int(match.group(2)), int(match.group(3))
+    assert good == bad - 1
+    (fp_dir,) = (tmp_path / "ckpt").iterdir()
+    assert (fp_dir / str(good)).is_dir() and not (fp_dir / str(bad)).exists()
+    assert not (tmp_path / "out/model").exists()
+
+
+def test_bad_params_fail_before_compute(micro_data, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params(training={"lr": "fast"}))
+    result = run(command(micro_data, tmp_path), tmp_path, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: training.lr: expected a positive float, got 'fast'"

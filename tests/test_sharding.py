@@ -1,0 +1,77 @@
+"""Sharded training on 8 simulated CPU devices equals one device, and really shards."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from conftest import micro_params
+from flax import nnx
+
+from stagelm.config import load_section
+from stagelm.loader import PackedRows, batch_iterator
+from stagelm.model import Decoder, DecoderConfig
+from stagelm.sharding import make_mesh, replicated
+from stagelm.train import init_state, make_optimizer, make_train_step
+from stagelm.trainloop import global_batch, shard_state, state_shardings
+
+CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+
+
+def run_steps(mesh, batches, tcfg):
+    with jax.set_mesh(mesh):
+        graphdef, params, frozen, p_sh = shard_state(Decoder(CFG, nnx.Rngs(0)), nnx.Param, mesh)
+        tx = make_optimizer(tcfg, params)
+        sh = state_shardings(tx, params, p_sh, mesh)
+        state = jax.jit(lambda p: init_state(p, tx, jax.random.key(0)), out_shardings=sh)(params)
+        step = make_train_step(graphdef, tx, out_shardings=(sh, replicated(mesh)))
+        losses = []
+        for b in batches:
+            state, m = step(state, frozen, global_batch(b, 2, mesh))
+            losses.append(float(m["loss"]))
+    return losses, state
+
+
+@pytest.fixture(scope="module")
+def reference(micro_data):
+    tcfg = dataclasses.replace(load_section(micro_params(), "training"), batch_size=8, grad_accum=2)
+    it = batch_iterator(PackedRows(micro_data / "packed/train"), 16, 0)
+    batches = [next(it) for _ in range(3)]
+    losses, state = run_steps(make_mesh(1, 1, 1, jax.devices()[:1]), batches, tcfg)
+    return tcfg, batches, losses, state
+
+
+def test_eight_devices_are_simulated():
+    assert len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize(
+    ("shape", "sharded"),
+    [
+        ((8, 1, 1), {}),
+        ((1, 8, 1), {"embed": (None, "fsdp"), "gate_up": ("fsdp", None, None), "opt": True}),
+        ((1, 1, 4), {"embed": ("tensor", None), "gate_up": (None, None, "tensor"), "q": (None, "tensor", None)}),
+        ((2, 2, 2), {"embed": ("tensor", "fsdp"), "gate_up": ("fsdp", None, "tensor"), "down": ("tensor", "fsdp")}),
+    ],
+)
+def test_layouts_match_one_device(reference, shape, sharded):
+    tcfg, batches, ref_losses, ref_state = reference
+    devices = jax.devices()[: int(np.prod(shape))]
+    losses, state = run_steps(make_mesh(*shape, devices), batches, tcfg)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    params = state.params
+    where = {"embed": params["embed"], "gate_up": params["blocks"][0]["mlp"]["gate_up"],
+             "down": params["blocks"][1]["mlp"]["down"], "q": params["blocks"][0]["attn"]["q"]}  # fmt: skip
+    for name, spec in sharded.items():
+        if name == "opt":
+            continue
+        array = where[name][...]
+        assert tuple(array.sharding.spec) == spec, name
+        assert array.addressable_shards[0].data.size < array.size, f"{name} is not really split"
+    if not sharded:
+        assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(params))
+    if sharded.get("opt"):  # Adam's moments shard like their params (ZeRO-3 style)
+        mu = state.opt_state[1][0].mu["blocks"][0]["mlp"]["gate_up"][...]
+        assert tuple(mu.sharding.spec) == sharded["gate_up"]
