@@ -1,6 +1,6 @@
 """download stage: read the corpus and task sets named by `data.*`, split, write Parquet.
 
-    python stages/download.py --params params.yaml --out data/raw
+python stages/download.py --params params.yaml --out data/raw
 """
 
 import argparse
@@ -28,8 +28,10 @@ def main() -> None:
         inputs = {str(p): p for p in match_files(cfg.source.removeprefix("files:"))}
     write_provenance(args.out / "provenance.json", "download", {"data": section_dict(cfg)}, inputs, started)
     docs = manifest["documents"]
-    print(f"download: {docs['train']} train + {docs['val']} val documents from {manifest['source']}; "
-          f"tasks {manifest['families']}")  # fmt: skip
+    print(
+        f"download: {docs['train']} train + {docs['val']} val documents from {manifest['source']}; "
+        f"tasks {manifest['families']}"
+    )
 
 
 if __name__ == "__main__":

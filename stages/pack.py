@@ -1,6 +1,6 @@
 """pack stage: tokenize the raw splits and pack them into Arrow shards of fixed-length rows.
 
-    python stages/pack.py --params params.yaml --raw data/raw --tokenizer data/tokenizer --out data/packed
+python stages/pack.py --params params.yaml --raw data/raw --tokenizer data/tokenizer --out data/packed
 """
 
 import argparse
@@ -27,7 +27,11 @@ def main() -> None:
     tok_path = args.tokenizer / "tokenizer.json"
     tok = load_tokenizer(tok_path)
     row_len = cfg.seq_len + 1  # seq_len inputs plus the last shifted target
-    meta = {"tokenizer_sha256": sha256_file(tok_path), "vocab_size": tok.get_vocab_size(), "seq_len": cfg.seq_len}
+    meta = {
+        "tokenizer_sha256": sha256_file(tok_path),
+        "vocab_size": tok.get_vocab_size(),
+        "seq_len": cfg.seq_len,
+    }
 
     for split in ("train", "val"):
         texts = read_raw(args.raw, f"corpus_{split}").column("text").to_pylist()

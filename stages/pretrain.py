@@ -43,27 +43,51 @@ def main() -> None:
     train_rows, val_rows = PackedRows(args.train), PackedRows(args.val)
     manifest = train_rows.manifest
     if sha256_file(args.tokenizer) != manifest["tokenizer_sha256"]:
-        raise StagelmError(f"{args.tokenizer}: differs from the tokenizer {args.train} was packed with; rerun `dvc repro pack`")
+        raise StagelmError(
+            f"{args.tokenizer}: differs from the tokenizer {args.train} was packed with; rerun `dvc repro pack`"
+        )
     cfg = DecoderConfig(vocab_size=manifest["vocab_size"], **section_dict(model_cfg))
 
     read = {"model": section_dict(model_cfg), "training": section_dict(tcfg), "seed": seed}
-    hashed = {k: {n: v for n, v in sec.items() if f"{k}.{n}" not in EXECUTION_KEYS} if isinstance(sec, dict) else sec
-              for k, sec in read.items()}  # fmt: skip
-    inputs = {"train": args.train / "manifest.json", "val": args.val / "manifest.json", "tokenizer": args.tokenizer}
+    hashed = {
+        k: {n: v for n, v in sec.items() if f"{k}.{n}" not in EXECUTION_KEYS} if isinstance(sec, dict) else sec
+        for k, sec in read.items()
+    }
+    inputs = {
+        "train": args.train / "manifest.json",
+        "val": args.val / "manifest.json",
+        "tokenizer": args.tokenizer,
+    }
     fp = fingerprint(loaded_code_files(__file__), hashed, {k: sha256_file(p) for k, p in inputs.items()})
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     model = Decoder(cfg, nnx.Rngs(seed))
-    print(f"pretrain: {count_params(model):,} params on {mesh.devices.size} {jax.devices()[0].platform} device(s); "
-          f"mesh {dict(mesh.shape)}; fingerprint {fp}", flush=True)  # fmt: skip
+    print(
+        f"pretrain: {count_params(model):,} params on {mesh.devices.size} {jax.devices()[0].platform} device(s); "
+        f"mesh {dict(mesh.shape)}; fingerprint {fp}",
+        flush=True,
+    )
     result = train(
-        model, tcfg, train_rows, val_rows, seed=seed, mesh=mesh, out_dir=args.out, checkpoint_root=args.checkpoints,
-        fingerprint=fp, flops_per_token=flops_per_token(cfg, manifest["seq_len"]), peak_flops=peak_flops(cfg.dtype),
-    )  # fmt: skip
+        model,
+        tcfg,
+        train_rows,
+        val_rows,
+        seed=seed,
+        mesh=mesh,
+        out_dir=args.out,
+        checkpoint_root=args.checkpoints,
+        fingerprint=fp,
+        flops_per_token=flops_per_token(cfg, manifest["seq_len"]),
+        peak_flops=peak_flops(cfg.dtype),
+    )
     save_model(args.out / "model", result.model, args.tokenizer, {"params_count": count_params(result.model)})
     if jax.process_index() == 0:
-        extra = {"fingerprint": fp, "resumed_from": result.resumed_from, "devices": describe_devices(),
-                 "summary": result.summary}  # fmt: skip
+        extra = {
+            "fingerprint": fp,
+            "resumed_from": result.resumed_from,
+            "devices": describe_devices(),
+            "summary": result.summary,
+        }
         write_provenance(args.out / "provenance.json", "pretrain", read, inputs, started, extra)
     s = result.summary
     print(f"pretrain: done at step {s['step']}: train loss {s['train_loss']:.4f}, val loss {s['val_loss']:.4f}")

@@ -1,6 +1,6 @@
 """tokenizer stage: train byte-level BPE on the training split of the raw corpus.
 
-    python stages/tokenizer.py --params params.yaml --raw data/raw --out data/tokenizer
+python stages/tokenizer.py --params params.yaml --raw data/raw --out data/tokenizer
 """
 
 import argparse

@@ -25,9 +25,18 @@ MICRO = {
     "tokenizer": {"vocab_size": 300},
     "pack": {"seq_len": 32, "rows_per_shard": 64},
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64},
-    "training": {"steps": 12, "batch_size": 8, "warmup_steps": 2, "eval_every": 4, "eval_batches": 2,
-                 "log_every": 2, "checkpoint_every": 4, "keep_checkpoints": 2, "lr": 3e-3},
-}  # fmt: skip
+    "training": {
+        "steps": 12,
+        "batch_size": 8,
+        "warmup_steps": 2,
+        "eval_every": 4,
+        "eval_batches": 2,
+        "log_every": 2,
+        "checkpoint_every": 4,
+        "keep_checkpoints": 2,
+        "lr": 3e-3,
+    },
+}
 
 
 def shipped_params() -> dict:
@@ -67,8 +76,9 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, 
 def make_project(dest: Path, params: dict) -> Path:
     """A git + DVC copy of the project's tracked files at `dest`, with `params` as params.yaml."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
-    others = subprocess.run(["git", "ls-files", "-z", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.split(b"\0")  # fmt: skip
+    others = subprocess.run(
+        ["git", "ls-files", "-z", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
     for name in filter(None, files + others):
         src = ROOT / name.decode()
         if src.is_file():
@@ -77,8 +87,11 @@ def make_project(dest: Path, params: dict) -> Path:
             shutil.copy2(src, target)
     (dest / "dvc.lock").unlink(missing_ok=True)
     write_params(dest / "params.yaml", params)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"]):  # fmt: skip
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"],
+    ):
         run(cmd, dest)
     return dest
 
@@ -90,7 +103,32 @@ def micro_data(tmp_path_factory) -> Path:
     params = write_params(root / "params.yaml", micro_params())
     py = sys.executable
     run([py, str(ROOT / "stages/download.py"), "--params", str(params), "--out", "data/raw"], root)
-    run([py, str(ROOT / "stages/tokenizer.py"), "--params", str(params), "--raw", "data/raw", "--out", "data/tokenizer"], root)
-    run([py, str(ROOT / "stages/pack.py"), "--params", str(params), "--raw", "data/raw", "--tokenizer",
-         "data/tokenizer", "--out", "data/packed"], root)  # fmt: skip
+    run(
+        [
+            py,
+            str(ROOT / "stages/tokenizer.py"),
+            "--params",
+            str(params),
+            "--raw",
+            "data/raw",
+            "--out",
+            "data/tokenizer",
+        ],
+        root,
+    )
+    run(
+        [
+            py,
+            str(ROOT / "stages/pack.py"),
+            "--params",
+            str(params),
+            "--raw",
+            "data/raw",
+            "--tokenizer",
+            "data/tokenizer",
+            "--out",
+            "data/packed",
+        ],
+        root,
+    )
     return root / "data"

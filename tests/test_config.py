@@ -31,7 +31,12 @@ def test_micro_params_parse():
         ("training", "lr", "fast", "training.lr: expected a positive float, got 'fast'"),
         ("training", "lr", -1.0, "training.lr: expected a positive float, got -1.0"),
         ("training", "steps", True, "training.steps: expected a positive int, got True"),
-        ("training", "schedule", "linear", "training.schedule: expected one of 'constant', 'cosine', 'wsd', got 'linear'"),
+        (
+            "training",
+            "schedule",
+            "linear",
+            "training.schedule: expected one of 'constant', 'cosine', 'wsd', got 'linear'",
+        ),
         ("data", "val_fraction", 1.5, "data.val_fraction: expected a float in (0, 1), got 1.5"),
         ("model", "tie_embeddings", "yes", "model.tie_embeddings: expected a bool, got 'yes'"),
         ("mesh", "data", 0, "mesh.data: expected -1 (infer) or a positive int, got 0"),
@@ -73,12 +78,17 @@ def test_int_is_accepted_as_float_and_converted():
 def test_stagelm_check_cli(tmp_path, micro_data):
     params = write_params(tmp_path / "params.yaml", micro_params())
     pipeline = ROOT / "dvc.yaml"
-    ok = run([sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
-             micro_data.parent)  # fmt: skip
+    ok = run(
+        [sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
+        micro_data.parent,
+    )
     assert "sections" in ok.stdout and "shards match" in ok.stdout and "files match" in ok.stdout
     bad = micro_params(pack={"seq_len": "abc"})
     write_params(params, bad)
-    fail = run([sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
-               tmp_path, check=False)  # fmt: skip
+    fail = run(
+        [sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
+        tmp_path,
+        check=False,
+    )
     assert fail.returncode == 2
     assert fail.stderr.strip() == "error: pack.seq_len: expected an int >= 2, got 'abc'"

@@ -71,8 +71,15 @@ def test_split_is_deterministic_and_by_document():
 
 def test_task_files_replace_synthetic_sets(tmp_path):
     sft = tmp_path / "sft.jsonl"
-    sft.write_text(json.dumps({"family": "arithmetic", "messages": [{"role": "user", "content": "1+1?"},
-                                                                    {"role": "assistant", "content": "2."}]}) + "\n")  # fmt: skip
+    sft.write_text(
+        json.dumps(
+            {
+                "family": "arithmetic",
+                "messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2."}],
+            }
+        )
+        + "\n"
+    )
     _, _, sets, meta = download.collect(data_cfg(sft_files=str(sft)))
     assert len(sets["sft"]) == 1 and meta["task_sets"]["sft"] == f"files:{sft}"
     (tmp_path / "bad.jsonl").write_text(json.dumps({"family": "poetry", "prompt": "x", "chat_prompt": "y", "spec": {}}))
@@ -118,8 +125,11 @@ def test_hub_probe_really_times_out_here():
 def test_stage_exits_nonzero_with_one_line(tmp_path):
     params = micro_params(data={"source": "files:does/not/exist/*.txt"})
     write_params(tmp_path / "params.yaml", params)
-    result = run([sys.executable, str(ROOT / "stages/download.py"), "--params", "params.yaml", "--out", "raw"],
-                 tmp_path, check=False)  # fmt: skip
+    result = run(
+        [sys.executable, str(ROOT / "stages/download.py"), "--params", "params.yaml", "--out", "raw"],
+        tmp_path,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: data.source:")
     assert not (tmp_path / "raw").exists()

@@ -20,10 +20,22 @@ pytestmark = pytest.mark.slow
 
 
 def command(data: Path, work: Path, checkpoints: str = "ckpt") -> list[str]:
-    return [sys.executable, str(ROOT / "stages/pretrain.py"), "--params", str(work / "params.yaml"),
-            "--train", str(data / "packed/train"), "--val", str(data / "packed/val"),
-            "--tokenizer", str(data / "tokenizer/tokenizer.json"), "--out", str(work / "out"),
-            "--checkpoints", str(work / checkpoints)]  # fmt: skip
+    return [
+        sys.executable,
+        str(ROOT / "stages/pretrain.py"),
+        "--params",
+        str(work / "params.yaml"),
+        "--train",
+        str(data / "packed/train"),
+        "--val",
+        str(data / "packed/val"),
+        "--tokenizer",
+        str(data / "tokenizer/tokenizer.json"),
+        "--out",
+        str(work / "out"),
+        "--checkpoints",
+        str(work / checkpoints),
+    ]
 
 
 def history(out: Path) -> dict[str, list[tuple[str, str]]]:
@@ -52,8 +64,9 @@ def test_killed_run_resumes_bitwise(micro_data, tmp_path):
         write_params(work / "params.yaml", micro_params(training=LONG))
     run(command(micro_data, whole), whole)
 
-    proc = subprocess.Popen(command(micro_data, killed), cwd=killed, env=env_with_venv(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        command(micro_data, killed), cwd=killed, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if any(p.name.isdigit() for p in (killed / "ckpt").glob("*/*")):
@@ -92,8 +105,10 @@ def test_changed_lr_starts_fresh_and_same_params_resume(micro_data, tmp_path):
 
 
 def test_best_and_latest_checkpoints_are_kept(micro_data, tmp_path):
-    write_params(tmp_path / "params.yaml", micro_params(training={"steps": 24, "checkpoint_every": 4,
-                                                                   "eval_every": 4, "keep_checkpoints": 1}))  # fmt: skip
+    write_params(
+        tmp_path / "params.yaml",
+        micro_params(training={"steps": 24, "checkpoint_every": 4, "eval_every": 4, "keep_checkpoints": 1}),
+    )
     run(command(micro_data, tmp_path), tmp_path)
     (fp_dir,) = (tmp_path / "ckpt").iterdir()
     kept = sorted(int(p.name) for p in fp_dir.iterdir() if p.name.isdigit())
@@ -103,8 +118,10 @@ def test_best_and_latest_checkpoints_are_kept(micro_data, tmp_path):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(micro_data, tmp_path):
-    write_params(tmp_path / "params.yaml", micro_params(training={"lr": 1e30, "grad_clip": 0.0, "warmup_steps": 0,
-                                                                   "checkpoint_every": 1}))  # fmt: skip
+    write_params(
+        tmp_path / "params.yaml",
+        micro_params(training={"lr": 1e30, "grad_clip": 0.0, "warmup_steps": 0, "checkpoint_every": 1}),
+    )
     result = run(command(micro_data, tmp_path), tmp_path, check=False)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()

@@ -50,8 +50,14 @@ def test_eight_devices_are_simulated():
     [
         ((8, 1, 1), {}),
         ((1, 8, 1), {"embed": (None, "fsdp"), "gate_up": ("fsdp", None, None), "opt": True}),
-        ((1, 1, 4), {"embed": ("tensor", None), "gate_up": (None, None, "tensor"), "q": (None, "tensor", None)}),
-        ((2, 2, 2), {"embed": ("tensor", "fsdp"), "gate_up": ("fsdp", None, "tensor"), "down": ("tensor", "fsdp")}),
+        (
+            (1, 1, 4),
+            {"embed": ("tensor", None), "gate_up": (None, None, "tensor"), "q": (None, "tensor", None)},
+        ),
+        (
+            (2, 2, 2),
+            {"embed": ("tensor", "fsdp"), "gate_up": ("fsdp", None, "tensor"), "down": ("tensor", "fsdp")},
+        ),
     ],
 )
 def test_layouts_match_one_device(reference, shape, sharded):
@@ -62,8 +68,12 @@ def test_layouts_match_one_device(reference, shape, sharded):
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
     params = state.params
-    where = {"embed": params["embed"], "gate_up": params["blocks"][0]["mlp"]["gate_up"],
-             "down": params["blocks"][1]["mlp"]["down"], "q": params["blocks"][0]["attn"]["q"]}  # fmt: skip
+    where = {
+        "embed": params["embed"],
+        "gate_up": params["blocks"][0]["mlp"]["gate_up"],
+        "down": params["blocks"][1]["mlp"]["down"],
+        "q": params["blocks"][0]["attn"]["q"],
+    }
     for name, spec in sharded.items():
         if name == "opt":
             continue

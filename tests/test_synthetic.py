@@ -34,9 +34,7 @@ def test_eval_problems_never_appear_in_training_sets_or_corpus():
     g = synthetic.generate(0, 3000, 2000, 1000, 1000)
     held = {t.prompt for t in g["eval"]}
     assert len(held) == 2000 and {t.family for t in g["eval"]} == set(FAMILIES)
-    train_prompts = {t.prompt for t in g["rl"]} | {
-        m["messages"][0]["content"] for m in g["sft"]
-    }
+    train_prompts = {t.prompt for t in g["rl"]} | {m["messages"][0]["content"] for m in g["sft"]}
     held_chat = {t.chat_prompt for t in g["eval"]}
     assert not held & train_prompts and not held_chat & train_prompts
     corpus = "\n".join(g["corpus"])

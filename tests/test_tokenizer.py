@@ -5,8 +5,15 @@ import pytest
 from stagelm import synthetic
 from stagelm.errors import StagelmError
 from stagelm.tokenizer import (
-    ASSISTANT, END, SPECIAL_TOKENS, USER, chat_prompt_ids, chat_segments, load_tokenizer, train_tokenizer,
-)  # fmt: skip
+    ASSISTANT,
+    END,
+    SPECIAL_TOKENS,
+    USER,
+    chat_prompt_ids,
+    chat_segments,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -14,8 +21,17 @@ def tok():
     return train_tokenizer(synthetic.generate(0, 800, 1, 1, 1)["corpus"], 400)
 
 
-@pytest.mark.parametrize("text", ["Héllo wörld", "日本語のテキスト 🙂👍🏽", "tabs\tand\nnewlines\r\n  spaces  ",
-                                  "12345 + 678 = 13023", "", "<|user|> looks special but is text"])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Héllo wörld",
+        "日本語のテキスト 🙂👍🏽",
+        "tabs\tand\nnewlines\r\n  spaces  ",
+        "12345 + 678 = 13023",
+        "",
+        "<|user|> looks special but is text",
+    ],
+)
 def test_any_unicode_round_trips(tok, text):
     ids = tok.encode(text, add_special_tokens=False).ids
     assert tok.decode(ids, skip_special_tokens=False) == text
@@ -41,8 +57,9 @@ def test_vocab_too_small_for_bytes_and_specials():
 
 
 def test_chat_template_masks_only_assistant_tokens(tok):
-    ids, mask = chat_segments(tok, [{"role": "user", "content": "What is 2 plus 3?"},
-                                    {"role": "assistant", "content": "2 plus 3 is 5."}])  # fmt: skip
+    ids, mask = chat_segments(
+        tok, [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "2 plus 3 is 5."}]
+    )
     text = tok.decode(ids, skip_special_tokens=False)
     assert text == f"{USER}What is 2 plus 3?{END}{ASSISTANT}2 plus 3 is 5.{END}"
     trained = tok.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)

@@ -70,14 +70,20 @@ def test_loss_mask_limits_the_loss_to_marked_targets():
     # <|user|> a b <|end|> <|assistant|> c d <|end|> <|user|> e : the row's last token is only ever a target.
     tokens = jnp.array([[3, 40, 41, 5, 4, 60, 61, 5, 3, 42]])
     mask = jnp.array([[0, 0, 0, 0, 0, 1, 1, 1, 0, 0]])
-    batch = {"tokens": tokens, "segment_ids": jnp.ones((1, 10), int), "positions": jnp.arange(10)[None],
-             "loss_mask": mask}  # fmt: skip
+    batch = {
+        "tokens": tokens,
+        "segment_ids": jnp.ones((1, 10), int),
+        "positions": jnp.arange(10)[None],
+        "loss_mask": mask,
+    }
     loss, weight = lm_loss(model, batch, None)
     assert float(weight) == 3
     user_target = {**batch, "tokens": tokens.at[0, 9].set(77)}
     assert float(lm_loss(model, user_target, None)[0]) == float(loss)
     trained_target = {**batch, "loss_mask": mask.at[0, 9].set(1), "tokens": tokens.at[0, 9].set(77)}
-    assert float(lm_loss(model, trained_target, None)[0]) != float(lm_loss(model, {**batch, "loss_mask": mask.at[0, 9].set(1)}, None)[0])
+    assert float(lm_loss(model, trained_target, None)[0]) != float(
+        lm_loss(model, {**batch, "loss_mask": mask.at[0, 9].set(1)}, None)[0]
+    )
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "wsd"])

@@ -49,9 +49,15 @@ class Checkpoints:
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).resolve()
         policy = pp.AnyPreservationPolicy(
-            [pp.LatestN(keep), pp.BestN(get_metric_fn=lambda m: -m["val_loss"], n=1,  # keeps the highest
-                                        keep_checkpoints_without_metrics=False)]
-        )  # fmt: skip
+            [
+                pp.LatestN(keep),
+                pp.BestN(
+                    get_metric_fn=lambda m: -m["val_loss"],
+                    n=1,  # keeps the highest
+                    keep_checkpoints_without_metrics=False,
+                ),
+            ]
+        )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policy,
             # Synchronous saves: the next step donates (reuses) the state's buffers.

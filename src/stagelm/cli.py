@@ -1,8 +1,8 @@
 """The `stagelm` command: what DVC does not do.
 
-    stagelm check [--params params.yaml] [--pipeline dvc.yaml]
-        validate every params section and every data manifest that exists, in seconds,
-        before any compute is spent.
+stagelm check [--params params.yaml] [--pipeline dvc.yaml]
+    validate every params section and every data manifest that exists, in seconds,
+    before any compute is spent.
 """
 
 import argparse

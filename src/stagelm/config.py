@@ -122,9 +122,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         if self.warmup_steps >= self.steps:
-            raise StagelmError(
-                f"training.warmup_steps: {self.warmup_steps} must be below training.steps {self.steps}"
-            )
+            raise StagelmError(f"training.warmup_steps: {self.warmup_steps} must be below training.steps {self.steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +222,7 @@ def check_value(value: Any, hint: Any, key: str, check: tuple | None = None) -> 
 
 def section_dict(config: Any) -> dict[str, Any]:
     """A dataclass as a plain dict (tuples as lists), for JSON and fingerprints."""
+
     def plain(v: Any) -> Any:
         return [plain(x) for x in v] if isinstance(v, tuple) else v
 

@@ -36,13 +36,18 @@ HUB_HOST = ("huggingface.co", 443)
 def collect(cfg: DataConfig) -> tuple[list[str], list[str], dict[str, list], dict[str, Any]]:
     """Everything the download stage writes: (train docs, val docs, task sets, manifest facts)."""
     is_synthetic = cfg.source == "synthetic"
-    generated = synthetic.generate(cfg.seed, cfg.num_documents if is_synthetic else 0,
-                                   cfg.num_sft, cfg.num_rl, cfg.num_eval)  # fmt: skip
+    generated = synthetic.generate(
+        cfg.seed, cfg.num_documents if is_synthetic else 0, cfg.num_sft, cfg.num_rl, cfg.num_eval
+    )
     docs, desc = read_source(cfg, generated["corpus"])
     train, val = split_documents(docs, cfg.val_fraction, cfg.seed)
     sets, origin = task_sets(cfg, generated)
-    meta = {"source": desc, "data_seed": cfg.seed, "task_sets": origin,
-            "documents": {"train": len(train), "val": len(val)}}  # fmt: skip
+    meta = {
+        "source": desc,
+        "data_seed": cfg.seed,
+        "task_sets": origin,
+        "documents": {"train": len(train), "val": len(val)},
+    }
     return train, val, sets, meta
 
 
@@ -89,7 +94,9 @@ def match_files(pattern: str) -> list[Path]:
         else:
             blank = False
     if blank:
-        raise StagelmError(f"data.source: 'files:{pattern}' holds no non-empty documents; point it at a corpus with text")
+        raise StagelmError(
+            f"data.source: 'files:{pattern}' holds no non-empty documents; point it at a corpus with text"
+        )
     return found
 
 
@@ -173,8 +180,11 @@ def split_documents(docs: list[str], val_fraction: float, seed: int) -> tuple[li
 
 def task_sets(cfg: DataConfig, generated: dict[str, list]) -> tuple[dict[str, list], dict[str, str]]:
     """{"sft", "rl", "eval"} rows, and where each came from (files when set, else synthetic)."""
-    sets = {"sft": generated["sft"], "rl": [task_row(t) for t in generated["rl"]],
-            "eval": [task_row(t) for t in generated["eval"]]}  # fmt: skip
+    sets = {
+        "sft": generated["sft"],
+        "rl": [task_row(t) for t in generated["rl"]],
+        "eval": [task_row(t) for t in generated["eval"]],
+    }
     origin = {name: f"synthetic(seed={cfg.seed})" for name in sets}
     for name, path in (("sft", cfg.sft_files), ("rl", cfg.rl_files), ("eval", cfg.eval_files)):
         if path:
@@ -184,12 +194,21 @@ def task_sets(cfg: DataConfig, generated: dict[str, list]) -> tuple[dict[str, li
 
 
 def task_row(task: Task) -> dict[str, Any]:
-    return {"family": task.family, "prompt": task.prompt, "chat_prompt": task.chat_prompt,
-            "answer": task.answer, "chat_answer": task.chat_answer, "spec": json.dumps(task.spec)}  # fmt: skip
+    return {
+        "family": task.family,
+        "prompt": task.prompt,
+        "chat_prompt": task.chat_prompt,
+        "answer": task.answer,
+        "chat_answer": task.chat_answer,
+        "spec": json.dumps(task.spec),
+    }
 
 
-TASK_FIELDS = {"sft": ("family", "messages"), "rl": ("family", "prompt", "chat_prompt", "spec"),
-               "eval": ("family", "prompt", "chat_prompt", "spec")}  # fmt: skip
+TASK_FIELDS = {
+    "sft": ("family", "messages"),
+    "rl": ("family", "prompt", "chat_prompt", "spec"),
+    "eval": ("family", "prompt", "chat_prompt", "spec"),
+}
 
 
 def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
@@ -237,8 +256,13 @@ def write_raw(out_dir: Path, train: list[str], val: list[str], sets: dict[str, l
         tmp.replace(path)
         files[name] = {"file": path.name, "rows": table.num_rows, "sha256": sha256_file(path)}
     families = {name: count_families(sets[name]) for name in ("sft", "rl", "eval")}
-    manifest = {"schema_version": 1, **meta, "files": files, "families": families,
-                "corpus_characters": {"train": sum(map(len, train)), "val": sum(map(len, val))}}  # fmt: skip
+    manifest = {
+        "schema_version": 1,
+        **meta,
+        "files": files,
+        "families": families,
+        "corpus_characters": {"train": sum(map(len, train)), "val": sum(map(len, val))},
+    }
     write_json(out_dir / "manifest.json", manifest)
     return manifest
 

@@ -30,5 +30,10 @@ def peak_flops(dtype: str, devices: list | None = None) -> float | None:
 
 def describe_devices() -> dict:
     devices = jax.devices()
-    return {"backend": jax.default_backend(), "kind": devices[0].device_kind, "count": len(devices),
-            "local_count": jax.local_device_count(), "processes": jax.process_count()}  # fmt: skip
+    return {
+        "backend": jax.default_backend(),
+        "kind": devices[0].device_kind,
+        "count": len(devices),
+        "local_count": jax.local_device_count(),
+        "processes": jax.process_count(),
+    }

@@ -40,7 +40,9 @@ def verify_shards(split_dir: str | Path, manifest: dict[str, Any]) -> None:
     for shard in manifest["shards"]:
         path = Path(split_dir) / shard["file"]
         if not path.is_file():
-            raise StagelmError(f"{path}: shard listed in manifest.json is missing; run `dvc checkout` or `dvc repro pack`")
+            raise StagelmError(
+                f"{path}: shard listed in manifest.json is missing; run `dvc checkout` or `dvc repro pack`"
+            )
         if sha256_file(path) != shard["sha256"]:
             raise StagelmError(f"{path}: sha256 differs from manifest.json (corrupt or edited); run `dvc checkout`")
 
@@ -60,8 +62,10 @@ class PackedRows:
         for shard in self.manifest["shards"]:
             table = pa.ipc.open_file(pa.memory_map(str(self.dir / shard["file"]))).read_all()
             width = self.manifest["row_len"]
-            cols = {c: table[c].combine_chunks().values.to_numpy(zero_copy_only=False).reshape(-1, width)
-                    for c in self.columns}  # fmt: skip
+            cols = {
+                c: table[c].combine_chunks().values.to_numpy(zero_copy_only=False).reshape(-1, width)
+                for c in self.columns
+            }
             self.shards.append(cols)
             self.starts.append(total)
             total += shard["rows"]

@@ -18,7 +18,15 @@ from tqdm import tqdm
 
 
 class MetricLog:
-    def __init__(self, out_dir: str | Path, history: list[dict], *, total_steps: int, log_every: int, writer: bool = True):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        history: list[dict],
+        *,
+        total_steps: int,
+        log_every: int,
+        writer: bool = True,
+    ):
         self.history: list[dict[str, Any]] = []
         self.total, self.log_every = total_steps, log_every
         self.live = Live(dir=str(out_dir), dvcyaml=False, save_dvc_exp=False, report=None) if writer else None
@@ -26,7 +34,11 @@ class MetricLog:
             self._write(row)
             self.history.append(row)
         start = history[-1]["step"] if history else 0
-        self.bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True) if writer and sys.stderr.isatty() else None
+        self.bar = (
+            tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True)
+            if writer and sys.stderr.isatty()
+            else None
+        )
         self.t0, self.start = time.perf_counter(), start
 
     def _write(self, row: dict[str, Any]) -> None:
@@ -51,7 +63,10 @@ class MetricLog:
         self.history[-1].update(values)
         self._write({"step": self.history[-1]["step"], **values})
         if self.bar is None and self.live is not None:
-            print(f"step {self.history[-1]['step']}: " + " ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
+            print(
+                f"step {self.history[-1]['step']}: " + " ".join(f"{k} {v:.4f}" for k, v in values.items()),
+                flush=True,
+            )
 
     def line(self, row: dict[str, Any]) -> str:
         step = row["step"]

@@ -73,7 +73,9 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def segment_causal_mask(q_segments: jax.Array, kv_segments: jax.Array, q_pos: jax.Array, kv_pos: jax.Array) -> jax.Array:
+def segment_causal_mask(
+    q_segments: jax.Array, kv_segments: jax.Array, q_pos: jax.Array, kv_pos: jax.Array
+) -> jax.Array:
     """(B, 1, T, S) bool: a query sees keys of its own segment at or before its position."""
     same = q_segments[:, :, None] == kv_segments[:, None, :]
     causal = kv_pos[:, None, :] <= q_pos[:, :, None]

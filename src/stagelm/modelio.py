@@ -19,7 +19,9 @@ from stagelm.files import read_json, sha256_file, write_json
 from stagelm.model import Decoder, DecoderConfig
 
 
-def save_model(out_dir: str | Path, model: Decoder, tokenizer_file: str | Path, extra: dict[str, Any] | None = None) -> None:
+def save_model(
+    out_dir: str | Path, model: Decoder, tokenizer_file: str | Path, extra: dict[str, Any] | None = None
+) -> None:
     """Write params, config.json and the tokenizer into `out_dir` (every process takes part)."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -54,5 +56,7 @@ def load_model(model_dir: str | Path, shardings: Any = None) -> Decoder:
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(model_dir / "params", target)
     except (ValueError, KeyError) as err:
-        raise StagelmError(f"{model_dir / 'params'}: does not match config.json ({str(err)[:120]}); rerun its stage") from None
+        raise StagelmError(
+            f"{model_dir / 'params'}: does not match config.json ({str(err)[:120]}); rerun its stage"
+        ) from None
     return nnx.merge(graphdef, restored)

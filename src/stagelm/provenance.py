@@ -14,8 +14,21 @@ from typing import Any
 
 from stagelm.files import sha256_tree, write_json
 
-LIBRARIES = ("stagelm", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers",
-             "pyarrow", "datasets", "dvc", "dvclive", "numpy")  # fmt: skip
+LIBRARIES = (
+    "stagelm",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "grain",
+    "tokenizers",
+    "pyarrow",
+    "datasets",
+    "dvc",
+    "dvclive",
+    "numpy",
+)
 
 
 def now() -> str:
@@ -24,6 +37,7 @@ def now() -> str:
 
 def git_state() -> dict[str, Any]:
     """The commit of the working tree and whether it has uncommitted changes (None outside git)."""
+
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10)

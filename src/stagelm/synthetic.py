@@ -16,14 +16,15 @@ from collections.abc import Callable
 
 from stagelm.tasks import Task, arithmetic_task, uses_word_task
 
+# fmt: off
 NAMES = [
     "Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Lily", "Max", "Ella", "Ben", "Nora", "Jack",
     "Ruby", "Finn", "Ivy", "Owen", "Lucy", "Noah", "Rosa", "Eli", "Anna", "Hugo", "Jade", "Omar",
-]  # fmt: skip
+]
 PLACES = [
     "garden", "forest", "kitchen", "park", "river", "school", "market", "beach", "farm", "library",
     "hill", "village", "castle", "cave", "lake", "bakery",
-]  # fmt: skip
+]
 OBJECTS = [
     "ball", "lamp", "book", "kite", "hat", "cup", "key", "box", "shoe", "coin", "map", "bell",
     "drum", "boat", "cake", "apple", "leaf", "stone", "rope", "brush", "spoon", "clock", "flag",
@@ -31,7 +32,7 @@ OBJECTS = [
     "ladder", "bucket", "whistle", "pillow", "jar", "sock", "scarf", "umbrella", "wagon", "violin",
     "puzzle", "balloon", "bottle", "carrot", "cookie", "lantern", "ticket", "window", "teapot",
     "rocket", "robot", "painting", "letter", "crown", "compass", "tent", "sandwich", "marble",
-]  # fmt: skip
+]
 ANIMALS = ["cat", "dog", "fox", "owl", "rabbit", "duck", "frog", "bear", "mouse", "horse", "goat", "turtle"]
 ADJECTIVES = ["big", "small", "old", "new", "shiny", "quiet", "funny", "brave", "tiny", "soft", "strange", "happy"]
 COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "pink", "brown"]
@@ -39,6 +40,7 @@ FEELINGS = ["happy", "sad", "proud", "tired", "excited", "scared", "calm", "surp
 WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "snowy"]
 TIMES = ["morning", "evening", "afternoon", "night", "day"]
 COUNT_NOUNS = ["apples", "stones", "shells", "coins", "cookies", "marbles", "leaves", "buttons"]
+# fmt: on
 
 Problem = tuple  # a family's problem key, e.g. (23, "plus", 58) or ("Mia", "lamp", 8)
 
@@ -79,9 +81,14 @@ def constrained_sentence(rng: random.Random, name: str, word: str, max_words: in
     template = rng.choice(fitting)
     other = rng.choice([n for n in NAMES if n != name])
     return template.format(
-        name=name, word=word, other=other, adj=rng.choice(ADJECTIVES), color=rng.choice(COLORS),
-        place=rng.choice(PLACES), time=rng.choice(TIMES),
-    )  # fmt: skip
+        name=name,
+        word=word,
+        other=other,
+        adj=rng.choice(ADJECTIVES),
+        color=rng.choice(COLORS),
+        place=rng.choice(PLACES),
+        time=rng.choice(TIMES),
+    )
 
 
 def story(rng: random.Random, facts: list[Problem]) -> str:
@@ -89,9 +96,20 @@ def story(rng: random.Random, facts: list[Problem]) -> str:
     a, b = rng.sample(NAMES, 2)
     obj, obj2 = rng.sample(OBJECTS, 2)
     place, place2 = rng.sample(PLACES, 2)
-    w = dict(a=a, b=b, obj=obj, obj2=obj2, place=place, place2=place2, animal=rng.choice(ANIMALS),
-             adj=rng.choice(ADJECTIVES), color=rng.choice(COLORS), feel=rng.choice(FEELINGS),
-             weather=rng.choice(WEATHER), time=rng.choice(TIMES))  # fmt: skip
+    w = dict(
+        a=a,
+        b=b,
+        obj=obj,
+        obj2=obj2,
+        place=place,
+        place2=place2,
+        animal=rng.choice(ANIMALS),
+        adj=rng.choice(ADJECTIVES),
+        color=rng.choice(COLORS),
+        feel=rng.choice(FEELINGS),
+        weather=rng.choice(WEATHER),
+        time=rng.choice(TIMES),
+    )
     openings = [
         "Once upon a time, {a} lived in a {adj} house near the {place}.",
         "One {time}, {a} went to the {place} with a {color} {obj}.",
@@ -164,10 +182,12 @@ def generate(seed: int, num_documents: int, num_sft: int, num_rl: int, num_eval:
 
     sft_tasks = [training_task() for _ in range(num_sft)]
     sft = [
-        {"family": t.family, "messages": [{"role": "user", "content": t.chat_prompt},
-                                          {"role": "assistant", "content": t.chat_answer}]}
+        {
+            "family": t.family,
+            "messages": [{"role": "user", "content": t.chat_prompt}, {"role": "assistant", "content": t.chat_answer}],
+        }
         for t in sft_tasks
-    ]  # fmt: skip
+    ]
     rl = [training_task() for _ in range(num_rl)]
     evals = [arithmetic_task(*p) for p in held_arith] + [uses_word_from(rng, p) for p in held_words]
     return {"corpus": corpus, "sft": sft, "rl": rl, "eval": evals}

@@ -29,7 +29,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     """Train byte-level BPE with single-digit pre-tokenization on `texts`."""
     if vocab_size < MIN_VOCAB:
         raise StagelmError(
-            f"tokenizer.vocab_size: {vocab_size} is below {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} specials); raise it"
+            f"tokenizer.vocab_size: {vocab_size} is below {MIN_VOCAB} "
+            f"(256 bytes + {len(SPECIAL_TOKENS)} specials); raise it"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(

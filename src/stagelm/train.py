@@ -75,6 +75,7 @@ def lr_schedule(cfg: TrainingConfig) -> optax.Schedule:
 
 def decay_mask(params: Any, decay_embeddings: bool) -> Any:
     """True for weights that get weight decay: matrices, and embeddings only when asked; never norms."""
+
     def decays(path: tuple, leaf: jax.Array) -> bool:
         name = str(path[-2].key if hasattr(path[-2], "key") else path[-2]) if len(path) > 1 else ""
         if leaf.ndim < 2:
@@ -86,9 +87,13 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
 
 def make_optimizer(cfg: TrainingConfig, params: Any) -> optax.GradientTransformation:
     adamw = optax.adamw(
-        lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        lr_schedule(cfg),
+        b1=cfg.beta1,
+        b2=cfg.beta2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
         mask=decay_mask(params, cfg.decay_embeddings),
-    )  # fmt: skip
+    )
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
 
 

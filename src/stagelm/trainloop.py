@@ -12,7 +12,6 @@ dispatched, so the device never waits for the host.
 
 import dataclasses
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,16 @@ from stagelm.errors import StagelmError
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.metrics import MetricLog
 from stagelm.sharding import batch_sharding, param_shardings, replicated
-from stagelm.train import LossFn, TrainState, init_state, lm_loss, lr_schedule, make_eval_step, make_optimizer, make_train_step
+from stagelm.train import (
+    LossFn,
+    TrainState,
+    init_state,
+    lm_loss,
+    lr_schedule,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+)
 
 
 @dataclasses.dataclass
@@ -52,24 +60,43 @@ def state_shardings(tx: Any, params: Any, p_sh: Any, mesh: jax.sharding.Mesh) ->
 
     abstract_opt = jax.eval_shape(tx.init, params)
     opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, p_sh, transform_non_params=lambda _: replicated(mesh),
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        p_sh,
+        transform_non_params=lambda _: replicated(mesh),
         is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )  # fmt: skip
+    )
     return TrainState(p_sh, opt_sh, replicated(mesh), replicated(mesh))
 
 
 def global_batch(local: dict[str, np.ndarray], accum: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     """(accum, rows, L) global arrays from this process's rows, split over data×fsdp."""
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *batch_sharding(mesh).spec))
-    return {k: jax.make_array_from_process_local_data(sharding, v.reshape(accum, -1, v.shape[-1]))
-            for k, v in local.items()}  # fmt: skip
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v.reshape(accum, -1, v.shape[-1])) for k, v in local.items()
+    }
 
 
-def evaluate(eval_step: Any, params: Any, frozen: Any, rows: PackedRows, batch_size: int, max_batches: int | None,
-             mesh: jax.sharding.Mesh) -> tuple[float, float]:  # fmt: skip
+def evaluate(
+    eval_step: Any,
+    params: Any,
+    frozen: Any,
+    rows: PackedRows,
+    batch_size: int,
+    max_batches: int | None,
+    mesh: jax.sharding.Mesh,
+) -> tuple[float, float]:
     """(token-weighted mean loss, tokens counted) over the first batches of `rows`, in order."""
-    it = batch_iterator(rows, batch_size, 0, shard_index=jax.process_index(), shard_count=jax.process_count(),
-                        shuffle=False, num_epochs=1)  # fmt: skip
+    it = batch_iterator(
+        rows,
+        batch_size,
+        0,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+        shuffle=False,
+        num_epochs=1,
+    )
     total, weight = jnp.zeros(()), jnp.zeros(())
     for i, batch in enumerate(it):
         if max_batches is not None and i >= max_batches:
@@ -110,8 +137,9 @@ def train(
         step_fn = make_train_step(graphdef, tx, loss_fn, out_shardings=(st_sh, replicated(mesh)))
         eval_fn = make_eval_step(graphdef, loss_fn)
         local_rows = cfg.batch_size * cfg.grad_accum // jax.process_count()
-        data = batch_iterator(train_rows, local_rows, seed, shard_index=jax.process_index(),
-                              shard_count=jax.process_count())  # fmt: skip
+        data = batch_iterator(
+            train_rows, local_rows, seed, shard_index=jax.process_index(), shard_count=jax.process_count()
+        )
 
         ckpt = Checkpoints(checkpoint_root / fingerprint, cfg.keep_checkpoints)
         history, resumed = [], ckpt.latest_step()
@@ -122,8 +150,11 @@ def train(
             print(f"resuming from step {resumed} (checkpoint {ckpt.directory})", flush=True)
         else:
             others = other_fingerprints(checkpoint_root, fingerprint)
-            why = (f"checkpoints exist only for other fingerprints {others} (code, params or inputs changed)"
-                   if others else "no checkpoint yet")  # fmt: skip
+            why = (
+                f"checkpoints exist only for other fingerprints {others} (code, params or inputs changed)"
+                if others
+                else "no checkpoint yet"
+            )
             print(f"starting fresh at step 0: {why}", flush=True)
 
         log = MetricLog(out_dir, history, total_steps=cfg.steps, log_every=cfg.log_every)
@@ -142,8 +173,13 @@ def train(
                     f"training: loss is {loss} at step {step}; last good checkpoint: "
                     f"{'step ' + str(kept) if kept is not None else 'none'} in {ckpt.directory}; lower training.lr"
                 )
-            row = {"step": step, "train/loss": loss, "train/grad_norm": float(metrics["grad_norm"]),
-                   "train/lr": float(schedule(step - 1)), "train/tokens": float(metrics["tokens"])}  # fmt: skip
+            row = {
+                "step": step,
+                "train/loss": loss,
+                "train/grad_norm": float(metrics["grad_norm"]),
+                "train/lr": float(schedule(step - 1)),
+                "train/tokens": float(metrics["tokens"]),
+            }
             rate = timer.rate(tokens_per_step)
             if rate is not None:
                 row["perf/tokens_per_sec"] = rate
@@ -202,8 +238,9 @@ class StepTimer:
         return tokens / self.times[-1] if self.times else None
 
 
-def summarize(history: list[dict], timer: StepTimer, tokens_per_step: int, flops_per_token: float | None,
-              peak_flops: float | None) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    history: list[dict], timer: StepTimer, tokens_per_step: int, flops_per_token: float | None, peak_flops: float | None
+) -> dict[str, Any]:
     last = history[-1]
     vals = [r["val/loss"] for r in history if "val/loss" in r]
     step_s = float(np.median(timer.times)) if timer.times else None
