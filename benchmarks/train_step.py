@@ -1,0 +1,80 @@
+"""Time stagelm's train step on the peer reference's config (dev script, not a test).
+
+    python benchmarks/train_step.py                 # tiny preset: the reference's default
+    python benchmarks/train_step.py --reps 20 --dtype bfloat16
+
+Prints one JSON line: median tokens/s over timed steps after warm-up, first-call
+(compile) time apart. Run it back to back with ../shared/bench/torch_reference.py
+(see benchmarks/README.md) and compare medians from the same run.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from stagelm.config import TrainingConfig
+from stagelm.model import Decoder, DecoderConfig, flops_per_token
+from stagelm.train import init_state, make_optimizer, make_train_step
+
+PRESETS = {
+    "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688, seq_len=256, batch=16),
+    "small": dict(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1376, seq_len=512, batch=8),
+}
+
+
+def optimizer_config(steps: int) -> TrainingConfig:
+    return TrainingConfig(
+        lr=3e-4, min_lr_ratio=1.0, schedule="constant", warmup_steps=0, decay_fraction=0.0, weight_decay=0.1,
+        decay_embeddings=True, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=0.0, batch_size=1, grad_accum=1,
+        steps=steps, eval_every=steps, eval_batches=1, log_every=steps, checkpoint_every=steps, keep_checkpoints=1,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    c = dict(PRESETS[args.preset])
+    seq_len, batch = c.pop("seq_len"), c.pop("batch")
+    cfg = DecoderConfig(**c, dtype=args.dtype)
+    model = Decoder(cfg, nnx.Rngs(0))
+    graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
+    tx = make_optimizer(optimizer_config(args.warmup + args.reps + 1), params)
+    state = init_state(params, tx, jax.random.key(0))
+    step = make_train_step(graphdef, tx)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, batch, seq_len + 1)).astype(np.int32)
+    b = {"tokens": tokens, "segment_ids": np.ones_like(tokens),
+         "positions": np.broadcast_to(np.arange(seq_len + 1, dtype=np.int32), tokens.shape).copy()}
+    b = jax.device_put(b)
+
+    t0 = time.perf_counter()
+    state, m = step(state, frozen, b)
+    jax.block_until_ready(m)
+    first = time.perf_counter() - t0
+    times = []
+    for i in range(args.warmup + args.reps):
+        t0 = time.perf_counter()
+        state, m = step(state, frozen, b)
+        jax.block_until_ready(m)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    n = batch * seq_len
+    median = statistics.median(times)
+    print(json.dumps({
+        "name": "stagelm_train_step", "tokens_per_sec_median": n / median, "tokens_per_sec_min": n / max(times),
+        "tokens_per_sec_max": n / min(times), "seconds_median": median, "first_call_seconds": first,
+        "reps": len(times), "gflop_per_sec_median": flops_per_token(cfg, seq_len) * n / median / 1e9,
+        "jax": jax.__version__, "preset": args.preset, "dtype": args.dtype,
+    }))
+
+
+if __name__ == "__main__":
+    main()
