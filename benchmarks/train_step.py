@@ -29,9 +29,25 @@ PRESETS = {
 
 def optimizer_config(steps: int) -> TrainingConfig:
     return TrainingConfig(
-        lr=3e-4, min_lr_ratio=1.0, schedule="constant", warmup_steps=0, decay_fraction=0.0, weight_decay=0.1,
-        decay_embeddings=True, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=0.0, batch_size=1, grad_accum=1,
-        steps=steps, eval_every=steps, eval_batches=1, log_every=steps, checkpoint_every=steps, keep_checkpoints=1,
+        lr=3e-4,
+        min_lr_ratio=1.0,
+        schedule="constant",
+        warmup_steps=0,
+        decay_fraction=0.0,
+        weight_decay=0.1,
+        decay_embeddings=True,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        grad_clip=0.0,
+        batch_size=1,
+        grad_accum=1,
+        steps=steps,
+        eval_every=steps,
+        eval_batches=1,
+        log_every=steps,
+        checkpoint_every=steps,
+        keep_checkpoints=1,
     )
 
 
@@ -51,8 +67,11 @@ def main() -> None:
     state = init_state(params, tx, jax.random.key(0))
     step = make_train_step(graphdef, tx)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, batch, seq_len + 1)).astype(np.int32)
-    b = {"tokens": tokens, "segment_ids": np.ones_like(tokens),
-         "positions": np.broadcast_to(np.arange(seq_len + 1, dtype=np.int32), tokens.shape).copy()}
+    b = {
+        "tokens": tokens,
+        "segment_ids": np.ones_like(tokens),
+        "positions": np.broadcast_to(np.arange(seq_len + 1, dtype=np.int32), tokens.shape).copy(),
+    }
     b = jax.device_put(b)
 
     t0 = time.perf_counter()
@@ -68,12 +87,23 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     n = batch * seq_len
     median = statistics.median(times)
-    print(json.dumps({
-        "name": "stagelm_train_step", "tokens_per_sec_median": n / median, "tokens_per_sec_min": n / max(times),
-        "tokens_per_sec_max": n / min(times), "seconds_median": median, "first_call_seconds": first,
-        "reps": len(times), "gflop_per_sec_median": flops_per_token(cfg, seq_len) * n / median / 1e9,
-        "jax": jax.__version__, "preset": args.preset, "dtype": args.dtype,
-    }))
+    print(
+        json.dumps(
+            {
+                "name": "stagelm_train_step",
+                "tokens_per_sec_median": n / median,
+                "tokens_per_sec_min": n / max(times),
+                "tokens_per_sec_max": n / min(times),
+                "seconds_median": median,
+                "first_call_seconds": first,
+                "reps": len(times),
+                "gflop_per_sec_median": flops_per_token(cfg, seq_len) * n / median / 1e9,
+                "jax": jax.__version__,
+                "preset": args.preset,
+                "dtype": args.dtype,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""Check what README.md claims against the metric files of a finished `dvc repro`.
+
+    python .ci/claims.py          # from the project root, after `make repro`
+
+Each claim reads produced files only (manifests, metrics.json) and the params they
+were made with; any failure prints the claim and exits 1.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from tokenizers import Tokenizer
+
+FAILED: list[str] = []
+
+
+def claim(ok: bool, text: str) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {text}")
+    if not ok:
+        FAILED.append(text)
+
+
+def load(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def data_claims(params: dict) -> None:
+    raw = load("data/raw/manifest.json")
+    docs = raw["documents"]
+    claim(docs["train"] > 0 and docs["val"] > 0, f"download: {docs['train']} train and {docs['val']} val documents")
+    if params["data"]["source"] == "synthetic":
+        total = params["data"]["num_documents"]
+        claim(docs["train"] + docs["val"] == total, f"download: the synthetic corpus has data.num_documents={total}")
+        for family, n in raw["families"]["eval"].items():
+            claim(n >= 1000, f"download: {n} held-out eval prompts for {family} (>= 1,000)")
+    size = Tokenizer.from_file("data/tokenizer/tokenizer.json").get_vocab_size()
+    claim(size <= params["tokenizer"]["vocab_size"], f"tokenizer: {size} tokens <= tokenizer.vocab_size")
+    for split in ("train", "val", "sft"):
+        m = load(f"data/packed/{split}/manifest.json")
+        claim(m["tokens"] > 0 and m["seq_len"] == params["pack"]["seq_len"], f"pack: {split} holds {m['tokens']} tokens")
+    train = load("data/packed/train/manifest.json")
+    claim(train["packing_efficiency"] > 0.99, f"pack: train packing efficiency {train['packing_efficiency']:.4f} > 0.99")
+
+
+def pretrain_claims(params: dict) -> None:
+    m = load("runs/pretrain/metrics.json")
+    claim(m["step"] == params["training"]["steps"], f"pretrain: ran training.steps={m['step']} steps")
+    unigram = load("data/packed/train/manifest.json")["unigram_entropy_nats"]
+    claim(
+        m["val_loss"] < 0.5 * unigram,
+        f"pretrain: val loss {m['val_loss']:.3f} nats is under half the unigram entropy {unigram:.3f} nats",
+    )
+
+
+def main() -> None:
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    data_claims(params)
+    pretrain_claims(params)
+    if FAILED:
+        print(f"{len(FAILED)} claim(s) failed", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
