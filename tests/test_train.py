@@ -103,10 +103,10 @@ def test_schedules(schedule):
 
 def test_no_weight_decay_on_norms_and_embeddings_unless_asked():
     params = nnx.state(Decoder(CFG, nnx.Rngs(0)), nnx.Param)
-    mask = decay_mask(params, decay_embeddings=False).to_pure_dict()
+    mask = nnx.to_pure_dict(decay_mask(params, decay_embeddings=False))
     assert not mask["embed"] and not mask["final_norm"]
     assert mask["blocks"][0]["attn"]["q"] and not mask["blocks"][0]["attn_norm"]
-    assert decay_mask(params, decay_embeddings=True).to_pure_dict()["embed"]
+    assert nnx.to_pure_dict(decay_mask(params, decay_embeddings=True))["embed"]
 
 
 def test_loss_falls_on_the_packed_corpus(micro_data):

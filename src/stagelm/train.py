@@ -143,7 +143,7 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss / denom, "tokens": weight, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss / denom, "tokens": weight, "grad_norm": optax.tree.norm(grads)}
         return TrainState(params, opt_state, state.step + 1, rng), metrics
 
     if out_shardings is None:
