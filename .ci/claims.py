@@ -39,9 +39,13 @@ def data_claims(params: dict) -> None:
     claim(size <= params["tokenizer"]["vocab_size"], f"tokenizer: {size} tokens <= tokenizer.vocab_size")
     for split in ("train", "val", "sft"):
         m = load(f"data/packed/{split}/manifest.json")
-        claim(m["tokens"] > 0 and m["seq_len"] == params["pack"]["seq_len"], f"pack: {split} holds {m['tokens']} tokens")
+        claim(
+            m["tokens"] > 0 and m["seq_len"] == params["pack"]["seq_len"], f"pack: {split} holds {m['tokens']} tokens"
+        )
     train = load("data/packed/train/manifest.json")
-    claim(train["packing_efficiency"] > 0.99, f"pack: train packing efficiency {train['packing_efficiency']:.4f} > 0.99")
+    claim(
+        train["packing_efficiency"] > 0.99, f"pack: train packing efficiency {train['packing_efficiency']:.4f} > 0.99"
+    )
 
 
 def pretrain_claims(params: dict) -> None:

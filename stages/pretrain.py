@@ -80,7 +80,8 @@ def main() -> None:
         flops_per_token=flops_per_token(cfg, manifest["seq_len"]),
         peak_flops=peak_flops(cfg.dtype),
     )
-    save_model(args.out / "model", result.model, args.tokenizer, {"params_count": count_params(result.model)})
+    extra = {"params_count": count_params(result.model), "context_len": manifest["seq_len"]}
+    save_model(args.out / "model", result.model, args.tokenizer, extra)
     if jax.process_index() == 0:
         extra = {
             "fingerprint": fp,

@@ -23,7 +23,7 @@ BIN = Path(sys.executable).parent
 MICRO = {
     "data": {"num_documents": 400, "num_sft": 200, "num_rl": 40, "num_eval": 40, "val_fraction": 0.1},
     "tokenizer": {"vocab_size": 300},
-    "pack": {"seq_len": 32, "rows_per_shard": 64},
+    "pack": {"seq_len": 64, "rows_per_shard": 32},
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64},
     "training": {
         "steps": 12,
@@ -36,6 +36,8 @@ MICRO = {
         "keep_checkpoints": 2,
         "lr": 3e-3,
     },
+    "eval": {"batch_size": 8, "task_batch_size": 32, "max_new_tokens": 12},
+    "sample": {"max_new_tokens": 16},
 }
 
 

@@ -1,6 +1,7 @@
 """The real `dvc` CLI on a micro copy of the project: repro, no-op, failures lose nothing."""
 
 import json
+import math
 import shutil
 import time
 
@@ -8,6 +9,8 @@ import pytest
 from conftest import make_project, micro_params, run, write_params
 
 from stagelm.files import read_json
+from stagelm.generate import load_generator
+from stagelm.loader import PackedRows
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +49,21 @@ def test_full_repro_produced_every_artifact(project):
         assert read_json(project / f"data/packed/{split}/manifest.json")["rows"] > 0
     metrics = read_json(project / "runs/pretrain/metrics.json")
     assert metrics["step"] == 12 and metrics["val_loss"] > 0
-    for stage in ("data/raw", "data/tokenizer", "data/packed", "runs/pretrain"):
+    for stage in ("data/raw", "data/tokenizer", "data/packed", "runs/pretrain", "runs/eval/pretrain"):
         assert read_json(project / stage / "provenance.json")["git"]["commit"]
+    ev = read_json(project / "runs/eval/pretrain/metrics.json")
+    assert ev["accuracy_format"] in ("completion", "chat") and ev["completion"]["n"] == ev["chat"]["n"] == 80
+    assert ev["perplexity"] == pytest.approx(math.exp(ev["val_loss"]))
+    seg = PackedRows(project / "data/packed/val").all_rows()["segment_ids"]
+    pieces = sum(len(set(row[row > 0].tolist())) for row in seg)
+    assert ev["val_tokens"] == (seg > 0).sum() - pieces  # every target of the whole val split, once
+    predictions = (project / "runs/eval/pretrain/predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 160
+    samples = [json.loads(line) for line in (project / "runs/samples/pretrain.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == micro_params()["sample"]["prompts"]
+    report = (project / "runs/report.md").read_text()
+    assert "| pretrain |" in report and "![pretrain loss](report/pretrain_loss.png)" in report
+    assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
 
 
 def test_noop_repro_runs_nothing_and_is_quick(project):
@@ -58,6 +74,27 @@ def test_noop_repro_runs_nothing_and_is_quick(project):
     assert time.perf_counter() - t0 < 5
 
 
+def test_eval_and_sample_params_rerun_only_their_stages(project):
+    write_params(project / "params.yaml", micro_params(sample={"temperature": 0.7}))
+    assert set(status(project)) == {"sample@pretrain"}
+    assert repro_ran(project) == {"sample@pretrain", "report"}
+    params = micro_params(sample={"temperature": 0.7}, eval={"max_examples": 20})
+    write_params(project / "params.yaml", params)
+    assert repro_ran(project) == {"eval@pretrain", "report"}
+
+
+def test_generate_cli_streams_from_a_stage_model(project):
+    out = run(
+        ["stagelm", "generate", "runs/pretrain/model", "--prompt", "Once upon a time,", "--max-new-tokens", "8"],
+        project,
+    )
+    gen = load_generator(project / "runs/pretrain/model")
+    (expected,) = gen.generate([gen.tokenizer.encode("Once upon a time,").ids], 8)
+    assert out.stdout == expected.text + "\n"
+    bad = run(["stagelm", "generate", "runs/pretrain/model", "--prompt", "x", "--top-p", "2"], project, check=False)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: top_p: expected a value in (0, 1], got 2.0"
+
+
 def test_params_change_reruns_only_downstream(project):
     params = micro_params(training={"lr": 1e-3})
     write_params(project / "params.yaml", params)
@@ -65,7 +102,7 @@ def test_params_change_reruns_only_downstream(project):
     params = micro_params(tokenizer={"vocab_size": 290})
     write_params(project / "params.yaml", params)
     assert set(status(project)) == {"tokenizer"}
-    assert repro_ran(project) == {"tokenizer", "pack", "pretrain"}
+    assert repro_ran(project) == {"tokenizer", "pack", "pretrain", "eval@pretrain", "sample@pretrain", "report"}
     params["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}
     params["training"]["log_every"] = 5
     params["notes"] = "an unrelated key"

@@ -20,7 +20,7 @@ def test_same_seed_same_batches_other_seed_other_order(micro_data):
     assert all((x == y).all() for x, y in zip(a, b, strict=True))
     c = take(batch_iterator(rows, 4, 8), 30)
     assert not all((x == y).all() for x, y in zip(a, c, strict=True))
-    assert a[0].shape == (4, 33)
+    assert a[0].shape == (4, 65)
 
 
 def test_restored_iterator_continues_exactly(micro_data):
@@ -69,4 +69,4 @@ def test_epochs_reshuffle(micro_data):
     first, second = [next(it)["tokens"][0] for _ in range(n)], [next(it)["tokens"][0] for _ in range(n)]
     assert sorted(x.tobytes() for x in first) == sorted(x.tobytes() for x in second)
     assert not all((x == y).all() for x, y in zip(first, second, strict=True)) or n < 3
-    assert np.stack(first).shape == (n, 33)
+    assert np.stack(first).shape == (n, 65)

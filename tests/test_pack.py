@@ -56,7 +56,7 @@ def test_packed_shards_hold_exactly_the_documents(micro_data):
         np.testing.assert_array_equal(non_pad(cols), expected)
         manifest = rows.manifest
         assert manifest["tokens"] == len(expected) and manifest["documents"] == len(texts)
-        assert manifest["row_len"] == manifest["seq_len"] + 1 == 33
+        assert manifest["row_len"] == manifest["seq_len"] + 1 == 65
         assert len(manifest["shards"]) > 1 and manifest["vocab_size"] == tok.get_vocab_size()
         assert 0.99 < manifest["packing_efficiency"] <= 1
         assert 0 < manifest["unigram_entropy_nats"] < np.log(tok.get_vocab_size())

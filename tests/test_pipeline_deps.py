@@ -11,7 +11,7 @@ from stagelm.config import EXECUTION_KEYS, SECTIONS
 
 PIPELINE = yaml.safe_load((ROOT / "dvc.yaml").read_text())
 VARS = {k: v for entry in PIPELINE["vars"] for k, v in entry.items()}
-STAGES = PIPELINE["stages"]
+STAGES = {name: stage.get("do", stage) for name, stage in PIPELINE["stages"].items()}  # foreach: its template
 
 
 def resolve(text: str) -> str:

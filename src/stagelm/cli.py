@@ -54,6 +54,30 @@ def check(args: argparse.Namespace) -> None:
         print(f"ok: {manifest.parent}: {n} shards match manifest.json")
 
 
+def generate(args: argparse.Namespace) -> None:
+    import sys
+
+    import jax
+
+    from stagelm.generate import Sampling, load_generator
+    from stagelm.tokenizer import chat_prompt_ids
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)  # validates before the model loads
+    gen = load_generator(args.model_dir)
+    tok = gen.tokenizer
+    ids = chat_prompt_ids(tok, args.prompt) if args.chat else tok.encode(args.prompt, add_special_tokens=False).ids
+    out: list[int] = []
+    shown = ""
+    for token in gen.stream(ids, args.max_new_tokens, sampling, jax.random.key(args.seed), chat=args.chat):
+        out.append(token)
+        text = tok.decode(out, skip_special_tokens=False)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write(tok.decode(out, skip_special_tokens=False)[len(shown) :] + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="stagelm", description="stagelm: what DVC does not do")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +85,16 @@ def main() -> None:
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--pipeline", default="dvc.yaml")
     p.set_defaults(func=check)
+    g = sub.add_parser("generate", help="stream a completion from a model directory")
+    g.add_argument("model_dir", type=Path)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=generate)
     args = parser.parse_args()
     run_main(lambda: args.func(args))
 

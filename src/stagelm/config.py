@@ -132,6 +132,28 @@ class MeshConfig:
     tensor: int = checked(MESH_AXIS)
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    batch_size: int = checked(POSITIVE)  # val rows per batch
+    max_batches: int | None = checked(POSITIVE)  # null = the whole val split
+    task_batch_size: int = checked(POSITIVE)  # prompts generated together
+    max_examples: int | None = checked(POSITIVE)  # per task family; null = the whole eval set
+    max_new_tokens: int = checked(POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    prompts: list[str]
+    max_new_tokens: int = checked(POSITIVE)
+    temperature: float = checked(NON_NEGATIVE)  # 0 = greedy
+    top_k: int = checked(NON_NEGATIVE)  # 0 = off
+    top_p: float = checked((lambda v: 0 < v <= 1, "a {type} in (0, 1]"))
+
+    def __post_init__(self) -> None:
+        if not self.prompts or any(not p for p in self.prompts):
+            raise StagelmError("sample.prompts: expected a non-empty list of non-empty strings")
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "tokenizer": TokenizerConfig,
@@ -139,6 +161,8 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "training": TrainingConfig,
     "mesh": MeshConfig,
+    "eval": EvalConfig,
+    "sample": SampleConfig,
 }
 
 # Keys that tune how a stage runs, not what it computes: never DVC params, never hashed

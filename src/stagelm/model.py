@@ -17,7 +17,7 @@ width without mixing q, k and v.
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +132,15 @@ class Attention(nnx.Module):
         y = constrain(attention(q, k, v, mask), ("batch", "seq", "heads", "head_dim"))
         return matmul(y, self.o[...], in_dims=2)
 
+    def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
+        """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
+        q, k, v = self.project_qkv(x, positions)
+        start = (0, index, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(layer.k, k.astype(layer.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(layer.v, v.astype(layer.v.dtype), start)
+        y = attention(q, k_all.astype(x.dtype), v_all.astype(x.dtype), mask)
+        return matmul(y, self.o[...], in_dims=2), LayerCache(k_all, v_all)
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
@@ -157,6 +166,11 @@ class Block(nnx.Module):
         x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions, mask)
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
         return constrain(x, ("batch", "seq", "embed_act"))
+
+    def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
+        y, layer = self.attn.cached(rms_norm(x, self.attn_norm[...], self.eps), positions, mask, layer, index)
+        x = x + y
+        return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), layer
 
 
 class Decoder(nnx.Module):
@@ -187,6 +201,47 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         return self.logits(self.hidden(tokens, segment_ids, positions))
+
+    def cached(
+        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: "KVCache", index: jax.Array
+    ) -> tuple[jax.Array, "KVCache"]:
+        """(logits (B, T, V), cache) for tokens written at cache slots [index, index + T).
+
+        The cache remembers each slot's segment and position, so the same
+        segment-aware causal mask as training applies: rows may be left-padded
+        (segment 0) and carry their own positions.
+        """
+        start = (0, index)
+        seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
+        pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
+        mask = segment_causal_mask(segment_ids, seg, positions, pos)
+        x = self.embed[...].astype(self.cfg.dtype)[tokens]
+        layers = []
+        for block, layer in zip(self.blocks, cache.layers, strict=True):
+            x, layer = block.cached(x, positions, mask, layer, index)
+            layers.append(layer)
+        h = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+        return self.logits(h), KVCache(tuple(layers), seg, pos)
+
+
+class LayerCache(NamedTuple):
+    k: jax.Array  # (B, S, K, Dh)
+    v: jax.Array
+
+
+class KVCache(NamedTuple):
+    """A fixed-capacity cache of S slots: per-layer k/v plus each slot's segment (0 = empty) and position."""
+
+    layers: tuple[LayerCache, ...]
+    segment_ids: jax.Array  # (B, S)
+    positions: jax.Array  # (B, S)
+
+
+def init_cache(cfg: DecoderConfig, batch: int, capacity: int) -> KVCache:
+    shape = (batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+    layer = LayerCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    empty = jnp.zeros((batch, capacity), jnp.int32)
+    return KVCache(tuple(layer for _ in range(cfg.n_layers)), empty, empty)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -17,6 +17,7 @@ from flax import nnx
 from stagelm.errors import StagelmError
 from stagelm.files import read_json, sha256_file, write_json
 from stagelm.model import Decoder, DecoderConfig
+from stagelm.sharding import param_shardings
 
 
 def save_model(
@@ -41,8 +42,13 @@ def read_model_config(model_dir: str | Path) -> DecoderConfig:
     return DecoderConfig.from_dict(read_json(path))
 
 
-def load_model(model_dir: str | Path, shardings: Any = None) -> Decoder:
-    """The Decoder saved in `model_dir` (params restored with `shardings` when given)."""
+def read_model_context(model_dir: str | Path) -> int:
+    """The context length the model was trained with (the KV cache size generation uses by default)."""
+    return int(read_json(Path(model_dir) / "config.json")["context_len"])
+
+
+def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> Decoder:
+    """The Decoder saved in `model_dir`, its params sharded over `mesh` by their logical axes when given."""
     model_dir = Path(model_dir).resolve()
     cfg = read_model_config(model_dir)
     if not (model_dir / "params").is_dir():
@@ -50,7 +56,8 @@ def load_model(model_dir: str | Path, shardings: Any = None) -> Decoder:
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    if shardings is not None:
+    if mesh is not None:
+        shardings = param_shardings(state, mesh)
         target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target, shardings)
     try:
         with ocp.StandardCheckpointer() as ckptr:

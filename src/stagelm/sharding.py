@@ -67,12 +67,16 @@ def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partiti
 
 
 def param_shardings(state: Any, mesh: Mesh) -> Any:
-    """NamedShardings for an nnx.State of Variables whose metadata names logical `axes`."""
+    """The NamedSharding of each array of an nnx.State, from the logical `axes` metadata of its Variable.
+
+    The result has the state's own structure (Variables holding shardings), so it
+    serves device_put, jit shardings and Orbax restore targets alike.
+    """
     from flax import nnx
 
-    def one(v: Any) -> NamedSharding:
+    def one(v: Any) -> Any:
         spec = logical_spec(v.get_metadata().get("axes"))
-        return NamedSharding(mesh, fit_spec(spec, v.shape, mesh))
+        return v.replace(NamedSharding(mesh, fit_spec(spec, v.shape, mesh)))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

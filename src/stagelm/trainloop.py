@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from stagelm.batching import evaluate, global_batch
 from stagelm.checkpoint import Checkpoints, other_fingerprints
 from stagelm.config import TrainingConfig
 from stagelm.errors import StagelmError
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.metrics import MetricLog
-from stagelm.sharding import batch_sharding, param_shardings, replicated
+from stagelm.sharding import param_shardings, replicated
 from stagelm.train import (
     LossFn,
     TrainState,
@@ -65,49 +65,8 @@ def state_shardings(tx: Any, params: Any, p_sh: Any, mesh: jax.sharding.Mesh) ->
         abstract_opt,
         p_sh,
         transform_non_params=lambda _: replicated(mesh),
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
     return TrainState(p_sh, opt_sh, replicated(mesh), replicated(mesh))
-
-
-def global_batch(local: dict[str, np.ndarray], accum: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    """(accum, rows, L) global arrays from this process's rows, split over data×fsdp."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *batch_sharding(mesh).spec))
-    return {
-        k: jax.make_array_from_process_local_data(sharding, v.reshape(accum, -1, v.shape[-1])) for k, v in local.items()
-    }
-
-
-def evaluate(
-    eval_step: Any,
-    params: Any,
-    frozen: Any,
-    rows: PackedRows,
-    batch_size: int,
-    max_batches: int | None,
-    mesh: jax.sharding.Mesh,
-) -> tuple[float, float]:
-    """(token-weighted mean loss, tokens counted) over the first batches of `rows`, in order."""
-    it = batch_iterator(
-        rows,
-        batch_size,
-        0,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-        shuffle=False,
-        num_epochs=1,
-    )
-    total, weight = jnp.zeros(()), jnp.zeros(())
-    for i, batch in enumerate(it):
-        if max_batches is not None and i >= max_batches:
-            break
-        if len(batch["tokens"]) < batch_size:  # pad the last batch with empty rows (weight 0)
-            batch = {k: np.pad(v, ((0, batch_size - len(v)), (0, 0))) for k, v in batch.items()}
-        b = {k: v[0] for k, v in global_batch(batch, 1, mesh).items()}
-        loss, w = eval_step(params, frozen, b)
-        total, weight = total + loss, weight + w
-    weight = float(weight)
-    return float(total) / max(weight, 1.0), weight
 
 
 def train(

@@ -1,0 +1,138 @@
+"""The report: one Markdown page (plus PNG curves) a person reads after `dvc repro`.
+
+It gathers, per model stage: the eval metrics, the training summary, the model's
+size, its samples and its lineage (commit, params hash, input hashes) from
+provenance.json, and draws one loss-curve picture per training stage from the
+dvclive plot files. Plain Markdown with relative image links, so it reads the same
+on GitHub and in any Markdown viewer.
+"""
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from stagelm.files import read_json
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_curve(tsv: Path) -> tuple[list[int], list[float]]:
+    if not tsv.is_file():
+        return [], []
+    with tsv.open() as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    return [int(r["step"]) for r in rows], [float(r[tsv.stem]) for r in rows]
+
+
+def loss_curve(plots_dir: Path, title: str, out_png: Path) -> None:
+    """Train and val loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for name, style in (("train/loss.tsv", "-"), ("val/loss.tsv", "o-")):
+        steps, values = read_curve(plots_dir / name)
+        if steps:
+            ax.plot(steps, values, style, label=name.split("/")[0], markersize=4)
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, metadata={"Software": None})  # no version stamp: the same curve gives the same bytes
+    plt.close(fig)
+
+
+def params_hash(params: dict) -> str:
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def model_summary(runs: Path, name: str) -> dict[str, Any]:
+    """What the report shows of model stage `name`."""
+    ev = read_json(runs / "eval" / name / "metrics.json")
+    train = read_json(runs / name / "metrics.json")
+    prov = read_json(runs / name / "provenance.json")
+    config = read_json(runs / name / "model" / "config.json")
+    from datetime import datetime
+
+    wall = (datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])).total_seconds()
+    return {
+        "name": name,
+        "eval": ev,
+        "train": train,
+        "provenance": prov,
+        "params_count": config.get("params_count"),
+        "wall_seconds": wall,
+    }
+
+
+def model_table(models: list[dict]) -> list[str]:
+    lines = [
+        "| model | val loss | perplexity | bits/byte | accuracy (format) | completion | chat | params | "
+        "training tokens | wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in models:
+        e = m["eval"]
+        acc = f"{e['accuracy']:.3f} ± {e['accuracy_se']:.3f} ({e['accuracy_format']})"
+        lines.append(
+            f"| {m['name']} | {e['val_loss']:.4f} | {e['perplexity']:.3f} | {e['bits_per_byte']:.4f} | {acc} | "
+            f"{e['completion']['accuracy']:.3f} | {e['chat']['accuracy']:.3f} | {m['params_count']:,} | "
+            f"{m['train']['tokens_seen']:,} | {m['wall_seconds']:.0f} s |"
+        )
+    return lines
+
+
+def family_table(models: list[dict]) -> list[str]:
+    families = sorted({k for m in models for k, v in m["eval"]["chat"].items() if isinstance(v, dict)})
+    lines = ["| model | format | " + " | ".join(families) + " |", "|---|---|" + "---|" * len(families)]
+    for m in models:
+        for fmt in ("completion", "chat"):
+            cells = [f"{m['eval'][fmt][f]['accuracy']:.3f} ± {m['eval'][fmt][f]['accuracy_se']:.3f}" for f in families]
+            lines.append(f"| {m['name']} | {fmt} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def lineage_lines(m: dict) -> list[str]:
+    prov = m["provenance"]
+    git = prov.get("git", {})
+    commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
+    inputs = ", ".join(f"{k} `{v['sha256'][:12]}`" for k, v in prov.get("inputs", {}).items())
+    return [f"- **{m['name']}**: commit `{commit}`, params `{params_hash(prov.get('params', {}))}`, inputs: {inputs}"]
+
+
+def render(runs: Path, models: list[str], figures: Path, report_path: Path, benchmark: dict | None = None) -> str:
+    """Write the curves into `figures` and return the Markdown of the report."""
+    summaries = [model_summary(runs, name) for name in models]
+    rel = figures.relative_to(report_path.parent) if figures.is_relative_to(report_path.parent) else figures
+    out = [
+        "# stagelm report",
+        "",
+        "One row per model; accuracy is on the held-out eval set, ± one standard error.",
+        "Base models report the better of the completion and chat formats; tuned models report chat.",
+        "",
+    ]
+    out += ["## Models", "", *model_table(summaries), "", "### Accuracy per task family", "", *family_table(summaries)]
+    if benchmark:
+        out += ["", "## Benchmark", "", "| measure | median |", "|---|---|"]
+        out += [f"| {k} | {v:,.2f} |" for k, v in benchmark.items() if isinstance(v, int | float)]
+    out += ["", "## Training curves", ""]
+    for m in summaries:
+        png = figures / f"{m['name']}_loss.png"
+        loss_curve(runs / m["name"] / "plots" / "metrics", f"{m['name']}: loss", png)
+        out += [f"![{m['name']} loss]({rel / png.name})", ""]
+    out += ["## Samples", ""]
+    for name in models:
+        for record in read_jsonl(runs / "samples" / f"{name}.jsonl")[:3]:
+            text = record["completion"].replace("\n", " ⏎ ")
+            out.append(f"- **{name}** ({record['format']}) `{record['prompt']}` → {text}")
+    out += ["", "## Lineage", ""]
+    for m in summaries:
+        out += lineage_lines(m)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,78 @@
+"""eval stage: validation loss, perplexity, bits per byte and task accuracy of one model.
+
+    python stages/eval.py --params params.yaml --model runs/pretrain/model --name pretrain --format best \
+        --val data/packed/val --raw data/raw --out runs/eval/pretrain
+
+`--format best` (a base model: the better of completion and chat) or `chat` (a tuned
+model) picks which accuracy is the overall `accuracy`.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+
+from stagelm.config import load_section, read_params, section_dict
+from stagelm.errors import StagelmError, run_main
+from stagelm.evaluation import FORMATS, answer_tasks, limit_per_family, task_metrics, task_prompts, val_metrics
+from stagelm.files import atomic_write_bytes, write_json
+from stagelm.generate import Generator
+from stagelm.loader import PackedRows
+from stagelm.modelio import load_model, read_model_context
+from stagelm.provenance import now, write_provenance
+from stagelm.rawdata import read_raw
+from stagelm.sharding import make_mesh
+from stagelm.tokenizer import load_tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    for flag in ("--model", "--val", "--raw", "--out"):
+        parser.add_argument(flag, required=True, type=Path)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--format", required=True, choices=("best", "chat"))
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args()
+    started = now()
+    params = read_params(args.params)
+    cfg = load_section(params, "eval")
+    mesh_cfg = load_section(params, "mesh")
+
+    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    tok = load_tokenizer(args.model / "tokenizer.json")
+    model = load_model(args.model, mesh)
+    rows = PackedRows(args.val)
+    if rows.manifest["vocab_size"] != model.cfg.vocab_size:
+        raise StagelmError(
+            f"{args.val}: packed with a {rows.manifest['vocab_size']}-token vocab, the model has "
+            f"{model.cfg.vocab_size}; rerun `dvc repro`"
+        )
+    with jax.set_mesh(mesh):
+        metrics = val_metrics(model, rows, tok, cfg.batch_size, cfg.max_batches, mesh)
+    tasks = limit_per_family(read_raw(args.raw, "eval").to_pylist(), cfg.max_examples)
+    context = read_model_context(args.model)
+    longest = max(len(p) for fmt in FORMATS for p in task_prompts(tok, tasks, fmt))
+    capacity = max(context, longest + cfg.max_new_tokens)
+    if capacity > context:
+        print(f"eval@{args.name}: eval prompts need {capacity} positions, beyond the trained context of {context}")
+    gen = Generator(model, tok, capacity)
+    records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
+    metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)
+
+    if jax.process_index() == 0:
+        write_json(args.out / "metrics.json", metrics)
+        lines = "".join(json.dumps(r) + "\n" for r in records)
+        atomic_write_bytes(args.out / "predictions.jsonl", lines.encode())
+        inputs = {"model": args.model, "val": args.val / "manifest.json", "eval_tasks": args.raw / "eval.parquet"}
+        read = {"eval": section_dict(cfg), "format": args.format}
+        write_provenance(args.out / "provenance.json", f"eval@{args.name}", read, inputs, started)
+    print(
+        f"eval@{args.name}: val loss {metrics['val_loss']:.4f}, bits/byte {metrics['bits_per_byte']:.4f}, "
+        f"accuracy {metrics['accuracy']:.3f} ± {metrics['accuracy_se']:.3f} ({metrics['accuracy_format']}; "
+        f"completion {metrics['completion']['accuracy']:.3f}, chat {metrics['chat']['accuracy']:.3f})"
+    )
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,30 @@
+"""report stage: one Markdown page with every model's metrics, curves, samples and lineage.
+
+python stages/report.py --runs runs --models pretrain --out runs/report.md --figures runs/report
+"""
+
+import argparse
+from pathlib import Path
+
+from stagelm.errors import StagelmError, run_main
+from stagelm.files import atomic_write_bytes
+from stagelm.report import render
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", required=True, type=Path)
+    parser.add_argument("--models", required=True, help="comma-separated model stages, in pipeline order")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--figures", required=True, type=Path)
+    args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    for name in models:
+        if not (args.runs / "eval" / name / "metrics.json").is_file():
+            raise StagelmError(f"{args.runs / 'eval' / name / 'metrics.json'}: missing; run `dvc repro eval@{name}`")
+    atomic_write_bytes(args.out, render(args.runs, models, args.figures, args.out).encode())
+    print(f"report: {args.out} ({len(models)} models)")
+
+
+if __name__ == "__main__":
+    run_main(main)

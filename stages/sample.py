@@ -1,0 +1,67 @@
+"""sample stage: complete `sample.prompts` with one model, seeded, and time it.
+
+    python stages/sample.py --params params.yaml --model runs/pretrain/model --name pretrain --format completion \
+        --out runs/samples/pretrain.jsonl
+
+`--format chat` wraps each prompt in the chat template (tuned models).
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+
+from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.errors import run_main
+from stagelm.files import atomic_write_bytes
+from stagelm.generate import Sampling, load_generator
+from stagelm.provenance import now, write_provenance
+from stagelm.tokenizer import chat_prompt_ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--format", required=True, choices=("completion", "chat"))
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args()
+    started = now()
+    params = read_params(args.params)
+    cfg = load_section(params, "sample")
+    seed = load_seed(params)
+
+    gen = load_generator(args.model)
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    chat = args.format == "chat"
+    records = []
+    for i, prompt in enumerate(cfg.prompts):
+        ids = chat_prompt_ids(gen.tokenizer, prompt) if chat else gen.tokenizer.encode(prompt).ids
+        key = jax.random.fold_in(jax.random.key(seed), i)
+        gen.generate([ids], cfg.max_new_tokens, sampling, key, chat=chat)  # warm-up: compile once per shape
+        t0 = time.perf_counter()
+        (done,) = gen.generate([ids], cfg.max_new_tokens, sampling, key, chat=chat)
+        seconds = time.perf_counter() - t0
+        records.append(
+            {
+                "prompt": prompt,
+                "format": args.format,
+                "completion": done.text,
+                "token_ids": done.tokens,
+                "finish": done.finish,
+                "tokens_per_sec": len(done.tokens) / seconds,
+            }
+        )
+        print(f"sample@{args.name} [{i}] {prompt!r} → {done.text!r}")
+
+    atomic_write_bytes(args.out, "".join(json.dumps(r) + "\n" for r in records).encode())
+    read = {"sample": section_dict(cfg), "seed": seed, "format": args.format}
+    provenance = args.out.with_suffix(".provenance.json")
+    write_provenance(provenance, f"sample@{args.name}", read, {"model": args.model}, started)
+
+
+if __name__ == "__main__":
+    run_main(main)

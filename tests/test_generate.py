@@ -1,0 +1,126 @@
+"""The KV-cache generator: cached ≡ full-prefix, batch ≡ alone, one compile, seeded sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stagelm.errors import StagelmError
+from stagelm.generate import Generator, Sampling, sample_tokens
+from stagelm.model import Decoder, DecoderConfig
+from stagelm.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gen(micro_data):
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    cfg = DecoderConfig(
+        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.2
+    )
+    return Generator(Decoder(cfg, nnx.Rngs(0)), tok, capacity=96)
+
+
+PROMPTS = ["Once upon a time, Mia", "23 plus 5 is", "Tom saw a big red kite near the river and"]
+
+
+def ids(gen, text):
+    return gen.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_cached_logits_equal_full_prefix_recomputation(gen):
+    prompt = ids(gen, PROMPTS[2])
+    continuation = [c for c in gen.generate([prompt], 20)[0].tokens] or [7, 8, 9]
+    cached = gen.forced_logits(prompt, continuation)
+    _, naive = gen.naive_generate([prompt], len(continuation) + 1, continuation=continuation)
+    np.testing.assert_allclose(cached, naive, atol=2e-5, rtol=1e-5)
+
+
+def test_greedy_cached_generation_equals_naive_and_is_deterministic(gen):
+    prompts = [ids(gen, p) for p in PROMPTS]
+    stop = np.asarray(gen.stop_mask(False, False))
+    first = gen.generate(prompts, 24)
+    again = gen.generate(prompts, 24)
+    assert [c.tokens for c in first] == [c.tokens for c in again]
+    naive, _ = gen.naive_generate(prompts, 24)
+    for completion, row in zip(first, naive, strict=True):
+        ends = np.flatnonzero(stop[row])
+        expected = row[: ends[0]] if len(ends) else row
+        assert completion.tokens == expected.tolist()
+
+
+def test_a_batch_gives_the_same_completions_as_each_prompt_alone(gen):
+    prompts = [ids(gen, p) for p in PROMPTS]
+    together = gen.generate(prompts, 16, batch=8)
+    for prompt, completion in zip(prompts, together, strict=True):
+        assert gen.generate([prompt], 16)[0].tokens == completion.tokens
+
+
+def test_one_compile_per_shape(gen):
+    prompts = [ids(gen, p) for p in PROMPTS[:2]]
+    gen.generate(prompts, 10, batch=4)
+    before = gen._loop._cache_size()
+    for sampling in (Sampling(), Sampling(0.7, 5, 0.9), Sampling(1.2, 0, 0.5)):
+        gen.generate(prompts[::-1], 10, sampling, jax.random.key(1), batch=4)
+    assert gen._loop._cache_size() == before  # sampling settings and prompts are traced values
+    steps_before = gen._step._cache_size()
+    for prompt in prompts:
+        list(gen.stream(prompt, 8))
+    list(gen.stream(prompts[0], 8, Sampling(0.9), jax.random.key(2)))
+    assert gen._step._cache_size() - steps_before <= 1  # one decode-step compile serves every step and call
+
+
+def test_seeded_sampling_is_reproducible_and_varies_with_the_key(gen):
+    prompt = [ids(gen, PROMPTS[0])]
+    s = Sampling(temperature=1.0)
+    a = gen.generate(prompt, 20, s, jax.random.key(5))[0].tokens
+    assert a == gen.generate(prompt, 20, s, jax.random.key(5))[0].tokens
+    others = {tuple(gen.generate(prompt, 20, s, jax.random.key(k))[0].tokens) for k in range(6, 12)}
+    assert len(others | {tuple(a)}) > 1
+
+
+def test_stream_yields_what_generate_returns(gen):
+    prompt = ids(gen, PROMPTS[1])
+    assert list(gen.stream(prompt, 20)) == gen.generate([prompt], 20)[0].tokens
+
+
+def test_sampling_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 2000)
+
+    def draws(temperature, top_k, top_p):
+        f = jax.vmap(lambda k: sample_tokens(logits, k, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)))
+        return np.asarray(f(keys))[:, 0]
+
+    assert set(draws(0.0, 0, 1.0)) == {0}  # greedy
+    assert set(draws(1.0, 2, 1.0)) == {0, 1}  # top-k 2
+    assert set(draws(1.0, 0, 0.7)) == {0, 1}  # nucleus: 0.5 + 0.3 reaches 0.7
+    assert set(draws(1.0, 0, 0.01)) == {0}  # at least one token survives
+    counts = np.bincount(draws(1.0, 0, 1.0), minlength=4) / len(keys)
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.04)
+
+
+def test_model_directory_errors(tmp_path):
+    from stagelm.generate import load_generator
+
+    with pytest.raises(StagelmError, match="config.json: missing"):
+        load_generator(tmp_path)
+    (tmp_path / "config.json").write_text(
+        '{"vocab_size": 10, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 8, "context_len": 16}'
+    )
+    with pytest.raises(StagelmError, match="params: missing"):
+        load_generator(tmp_path)
+
+
+def test_bad_inputs(gen, micro_data, tmp_path):
+    with pytest.raises(StagelmError, match="top_p"):
+        Sampling(top_p=0.0)
+    with pytest.raises(StagelmError, match="temperature"):
+        Sampling(temperature=-0.1)
+    with pytest.raises(StagelmError, match="exceed the cache capacity of 96"):
+        gen.generate([list(range(10, 90))], 40)
+    other = DecoderConfig(
+        vocab_size=gen.model.cfg.vocab_size + 1, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64
+    )
+    with pytest.raises(StagelmError, match="use the tokenizer.json saved with the model"):
+        Generator(Decoder(other, nnx.Rngs(0)), gen.tokenizer, 64)
