@@ -58,10 +58,30 @@ def pretrain_claims(params: dict) -> None:
     )
 
 
+def model_stages() -> list[str]:
+    pipeline = yaml.safe_load(Path("dvc.yaml").read_text())
+    return [m for entry in pipeline["vars"] for m in str(entry.get("models", "")).split(",") if m]
+
+
+def eval_claims(params: dict) -> None:
+    models = model_stages()
+    report = Path("runs/report.md").read_text()
+    n_prompts = len(params["sample"]["prompts"])
+    for name in models:
+        m = load(f"runs/eval/{name}/metrics.json")
+        n = m["chat"]["n"]
+        claim(n >= 500, f"eval@{name}: accuracy measured on {n} held-out prompts per format (>= 500)")
+        samples = Path(f"runs/samples/{name}.jsonl").read_text().splitlines()
+        claim(len(samples) == n_prompts, f"sample@{name}: {len(samples)} samples, one per sample.prompts entry")
+        claim(f"| {name} |" in report, f"report: names {name}")
+        claim(Path(f"runs/report/{name}_loss.png").is_file(), f"report: a loss curve for {name}")
+
+
 def main() -> None:
     params = yaml.safe_load(Path("params.yaml").read_text())
     data_claims(params)
     pretrain_claims(params)
+    eval_claims(params)
     if FAILED:
         print(f"{len(FAILED)} claim(s) failed", file=sys.stderr)
         sys.exit(1)

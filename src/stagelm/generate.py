@@ -61,21 +61,27 @@ def sample_tokens(
 ) -> jax.Array:
     """(B,) next tokens from (B, V) logits: greedy at temperature 0, else top-k, then top-p (nucleus)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    ranked = -jnp.sort(-scaled, axis=-1)  # descending
-    vocab = logits.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take(ranked, k - 1, axis=-1)[:, None]
-    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    ranked = jnp.where(jnp.arange(vocab) < k, ranked, -jnp.inf)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
-    keep = before < top_p  # the smallest prefix whose mass reaches top_p (at least one token)
-    floor = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
-    sampled = jax.random.categorical(key, scaled, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    def sample(logits: jax.Array) -> jax.Array:
+        scaled = logits / temperature
+        ranked = -jnp.sort(-scaled, axis=-1)  # descending
+        vocab = logits.shape[-1]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take(ranked, k - 1, axis=-1)[:, None]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        ranked = jnp.where(jnp.arange(vocab) < k, ranked, -jnp.inf)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
+        keep = before < top_p  # the smallest prefix whose mass reaches top_p (at least one token)
+        floor = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
+        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+    def greedy(logits: jax.Array) -> jax.Array:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    # A branch, not a select: greedy decoding skips the sort over the vocabulary.
+    return jax.lax.cond(temperature > 0, sample, greedy, logits)
 
 
 @dataclasses.dataclass
@@ -154,8 +160,10 @@ class Generator:
 
     # --- host side -------------------------------------------------------------------------
 
-    def stop_mask(self, chat: bool, stop_at_newline: bool) -> jax.Array:
+    def stop_mask(self, chat: bool, stop_at_newline: bool, enabled: bool = True) -> jax.Array:
         stop = np.zeros(self.model.cfg.vocab_size, bool)
+        if not enabled:  # fixed-length generation (benchmarks)
+            return jnp.asarray(stop)
         stop[SPECIAL_TOKENS.index(EOS)] = True
         if chat:
             stop[SPECIAL_TOKENS.index(END)] = True
@@ -193,11 +201,15 @@ class Generator:
         chat: bool = False,
         stop_at_newline: bool = False,
         batch: int | None = None,
+        until_stop: bool = True,
     ) -> list[Completion]:
-        """Completions of token-id prompts (one jitted loop; rows padded to `batch` for a fixed shape)."""
+        """Completions of token-id prompts (one jitted loop; rows padded to `batch` for a fixed shape).
+
+        `until_stop=False` always generates `max_new` tokens (benchmarks).
+        """
         tokens, seg, pos = self.layout(prompts, max_new, batch)
         key = jax.random.key(0) if key is None else key
-        stop = self.stop_mask(chat, stop_at_newline)
+        stop = self.stop_mask(chat, stop_at_newline, until_stop)
         out, _ = self._loop(self.params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new)
         return [self.completion(row, stop) for row in np.asarray(out)[: len(prompts)]]
 
