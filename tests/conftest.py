@@ -38,6 +38,16 @@ MICRO = {
     },
     "eval": {"batch_size": 8, "task_batch_size": 32, "max_new_tokens": 12},
     "sample": {"max_new_tokens": 16},
+    "sft": {
+        "steps": 10,
+        "batch_size": 8,
+        "warmup_steps": 2,
+        "eval_every": 5,
+        "eval_batches": 2,
+        "log_every": 2,
+        "checkpoint_every": 5,
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "kv", "o", "gate_up", "down"]},
+    },
 }
 
 

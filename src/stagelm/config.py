@@ -154,6 +154,49 @@ class SampleConfig:
             raise StagelmError("sample.prompts: expected a non-empty list of non-empty strings")
 
 
+LORA_TARGETS = ("q", "kv", "o", "gate_up", "down")  # the decoder's projections, by parameter name
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = checked(POSITIVE)
+    alpha: float = checked(POSITIVE)  # the adapter's output is scaled by alpha / rank (Hu et al., 2021)
+    dropout: float = checked((lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
+    targets: list[str]
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise StagelmError(
+                f"sft.lora.targets: unknown {unknown or 'empty list'}; choose among {list(LORA_TARGETS)}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SftConfig:
+    method: str = checked(one_of("full", "lora"))
+    lr: float = checked(POSITIVE)
+    min_lr_ratio: float = checked(UNIT)
+    schedule: str = checked(one_of("constant", "cosine", "wsd"))
+    warmup_steps: int = checked(NON_NEGATIVE)
+    weight_decay: float = checked(NON_NEGATIVE)
+    grad_clip: float = checked(NON_NEGATIVE)
+    batch_size: int = checked(POSITIVE)
+    grad_accum: int = checked(POSITIVE)
+    steps: int = checked(POSITIVE)
+    eval_every: int = checked(POSITIVE)
+    eval_batches: int = checked(POSITIVE)
+    log_every: int = checked(POSITIVE)  # execution settings, as in `training`
+    checkpoint_every: int = checked(POSITIVE)
+    keep_checkpoints: int = checked(POSITIVE)
+    lora: LoraConfig
+
+    def training(self) -> TrainingConfig:
+        """The loop and optimizer settings of the SFT run (AdamW betas 0.9/0.95, eps 1e-8, no decay on embeddings)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainingConfig) if hasattr(self, f.name)}
+        return TrainingConfig(**own, beta1=0.9, beta2=0.95, eps=1e-8, decay_fraction=0.2, decay_embeddings=False)
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "tokenizer": TokenizerConfig,
@@ -163,11 +206,16 @@ SECTIONS: dict[str, type] = {
     "mesh": MeshConfig,
     "eval": EvalConfig,
     "sample": SampleConfig,
+    "sft": SftConfig,
 }
 
 # Keys that tune how a stage runs, not what it computes: never DVC params, never hashed
 # into a resume fingerprint.
-EXECUTION_KEYS = {"training.log_every", "training.checkpoint_every", "training.keep_checkpoints"}
+EXECUTION_KEYS = {
+    f"{section}.{key}"
+    for section in ("training", "sft")
+    for key in ("log_every", "checkpoint_every", "keep_checkpoints")
+}
 
 
 # --- parsing -------------------------------------------------------------------------

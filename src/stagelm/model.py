@@ -17,6 +17,7 @@ width without mixing q, k and v.
 
 import dataclasses
 import math
+import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -41,6 +42,11 @@ class DecoderConfig:
     param_dtype: str = "float32"
     remat: str = "none"  # none | block: recompute each block's activations in the backward pass
     init_std: float = 0.02
+    # LoRA adapters (Hu et al., 2021) on the projections named in lora_targets; rank 0 = none.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -49,7 +55,13 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DecoderConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        values = {k: v for k, v in d.items() if k in names}
+        if "lora_targets" in values:
+            values["lora_targets"] = tuple(values["lora_targets"])
+        return cls(**values)
+
+    def without_lora(self) -> "DecoderConfig":
+        return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_dropout=0.0, lora_targets=())
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, std: float, dtype: Any) -> nnx.Param:
@@ -111,6 +123,30 @@ def matmul(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
     return y.reshape(*lead, *w.shape[in_dims:])
 
 
+def make_adapter(cfg: DecoderConfig, name: str, shape: tuple[int, ...], in_dims: int, rngs: nnx.Rngs) -> Any:
+    """A LoRA adapter (nnx.LoRA: x·A·B, B starting at zero) for projection `name`, or None when not targeted."""
+    if cfg.lora_rank == 0 or name not in cfg.lora_targets:
+        return None
+    fan_in, fan_out = math.prod(shape[:in_dims]), math.prod(shape[in_dims:])
+    return nnx.LoRA(fan_in, cfg.lora_rank, fan_out, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+
+
+def project(module: nnx.Module, name: str, x: jax.Array, in_dims: int = 1, rng: jax.Array | None = None) -> jax.Array:
+    """x @ W_name, plus (alpha / rank)·dropout(x)·A·B when the projection carries a LoRA adapter."""
+    w = getattr(module, name)[...]
+    y = matmul(x, w, in_dims)
+    adapter = getattr(module, f"{name}_lora")
+    if adapter is None:
+        return y
+    cfg = module.cfg
+    h = x.reshape(-1, math.prod(w.shape[:in_dims]))
+    if rng is not None and cfg.lora_dropout > 0:
+        keep = jax.random.bernoulli(jax.random.fold_in(rng, zlib.crc32(name.encode())), 1 - cfg.lora_dropout, h.shape)
+        h = jnp.where(keep, h / (1 - cfg.lora_dropout), 0).astype(h.dtype)
+    delta = adapter(h).astype(y.dtype) * (cfg.lora_alpha / cfg.lora_rank)
+    return y + delta.reshape(y.shape)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, h, k, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.param_dtype)
@@ -118,19 +154,24 @@ class Attention(nnx.Module):
         self.q = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), cfg.init_std, pd)
         self.kv = param(rngs, (d, 2, k, dh), ("embed", None, "kv_heads", "head_dim"), cfg.init_std, pd)
         self.o = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), out_std, pd)
+        self.q_lora = make_adapter(cfg, "q", (d, h, dh), 1, rngs)
+        self.kv_lora = make_adapter(cfg, "kv", (d, 2, k, dh), 1, rngs)
+        self.o_lora = make_adapter(cfg, "o", (h, dh, d), 2, rngs)
         self.cfg = cfg
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q = matmul(x, self.q[...])  # (B, T, H, Dh)
-        kv = matmul(x, self.kv[...])  # (B, T, 2, K, Dh)
+    def project_qkv(
+        self, x: jax.Array, positions: jax.Array, rng: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q = project(self, "q", x, rng=rng)  # (B, T, H, Dh)
+        kv = project(self, "kv", x, rng=rng)  # (B, T, 2, K, Dh)
         q = rope(q, positions, self.cfg.rope_theta)
         k = rope(kv[:, :, 0], positions, self.cfg.rope_theta)
         return q, k, kv[:, :, 1]
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        q, k, v = self.project_qkv(x, positions)
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        q, k, v = self.project_qkv(x, positions, rng)
         y = constrain(attention(q, k, v, mask), ("batch", "seq", "heads", "head_dim"))
-        return matmul(y, self.o[...], in_dims=2)
+        return project(self, "o", y, in_dims=2, rng=rng)
 
     def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
@@ -139,7 +180,7 @@ class Attention(nnx.Module):
         k_all = jax.lax.dynamic_update_slice(layer.k, k.astype(layer.k.dtype), start)
         v_all = jax.lax.dynamic_update_slice(layer.v, v.astype(layer.v.dtype), start)
         y = attention(q, k_all.astype(x.dtype), v_all.astype(x.dtype), mask)
-        return matmul(y, self.o[...], in_dims=2), LayerCache(k_all, v_all)
+        return project(self, "o", y, in_dims=2), LayerCache(k_all, v_all)
 
 
 class MLP(nnx.Module):
@@ -147,11 +188,14 @@ class MLP(nnx.Module):
         d, f, pd = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
         self.gate_up = param(rngs, (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pd)
         self.down = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers), pd)
+        self.gate_up_lora = make_adapter(cfg, "gate_up", (d, 2, f), 1, rngs)
+        self.down_lora = make_adapter(cfg, "down", (f, d), 1, rngs)
+        self.cfg = cfg
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gu = matmul(x, self.gate_up[...])  # (B, T, 2, F)
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        gu = project(self, "gate_up", x, rng=rng)  # (B, T, 2, F)
         h = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], ("batch", "seq", "mlp"))  # SwiGLU (Shazeer, 2020)
-        return matmul(h, self.down[...])
+        return project(self, "down", h, rng=rng)
 
 
 class Block(nnx.Module):
@@ -162,9 +206,10 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.eps = cfg.norm_eps
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions, mask)
-        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
+        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions, mask, attn_rng)
+        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps), mlp_rng)
         return constrain(x, ("batch", "seq", "embed_act"))
 
     def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
@@ -183,24 +228,29 @@ class Decoder(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
 
-    def hidden(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        """Final-norm hidden states (B, T, D) of token rows (B, T)."""
+    def hidden(
+        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, rng: jax.Array | None = None
+    ) -> jax.Array:
+        """Final-norm hidden states (B, T, D) of token rows (B, T); `rng` drives LoRA dropout when set."""
         x = self.embed[...].astype(self.cfg.dtype)[tokens]
         x = constrain(x, ("batch", "seq", "embed_act"))
         mask = segment_causal_mask(segment_ids, segment_ids, positions, positions)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            key = None if rng is None else jax.random.fold_in(rng, i)
             if self.cfg.remat == "block":
-                x = nnx.remat(lambda b, x: b(x, positions, mask))(block, x)
+                x = nnx.remat(lambda b, x, key: b(x, positions, mask, key))(block, x, key)
             else:
-                x = block(x, positions, mask)
+                x = block(x, positions, mask, key)
         return rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
 
     def logits(self, h: jax.Array) -> jax.Array:
         w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
         return h @ w.astype(h.dtype)  # (B, T, V)
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        return self.logits(self.hidden(tokens, segment_ids, positions))
+    def __call__(
+        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, rng: jax.Array | None = None
+    ) -> jax.Array:
+        return self.logits(self.hidden(tokens, segment_ids, positions, rng))
 
     def cached(
         self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: "KVCache", index: jax.Array

@@ -21,7 +21,7 @@ from flax import nnx
 
 from stagelm.config import TrainingConfig
 
-LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
+LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, jax.Array]]
 
 
 class TrainState(NamedTuple):
@@ -46,11 +46,10 @@ def next_token_targets(batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array
     return inputs, tokens[:, 1:], weights.astype(jnp.float32)
 
 
-def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """(sum of next-token cross-entropy over counted tokens, number of counted tokens)."""
-    del rng  # the decoder has no dropout
     inputs, targets, weights = next_token_targets(batch)
-    logits = model(inputs["tokens"], inputs["segment_ids"], inputs["positions"]).astype(jnp.float32)
+    logits = model(inputs["tokens"], inputs["segment_ids"], inputs["positions"], rng).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(ce * weights), jnp.sum(weights)
 
@@ -155,6 +154,6 @@ def make_eval_step(graphdef: Any, loss_fn: LossFn = lm_loss) -> Callable:
     """A jitted `eval_step(params, frozen, batch) -> (loss sum, weight)` over one (B, L) batch."""
 
     def eval_step(params: Any, frozen: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
-        return loss_fn(nnx.merge(graphdef, params, frozen), batch, jax.random.key(0))
+        return loss_fn(nnx.merge(graphdef, params, frozen), batch, None)  # no rng: no dropout in eval
 
     return jax.jit(eval_step)

@@ -1,0 +1,88 @@
+"""LoRA for the decoder: attach adapters to a trained model, merge them back, save them.
+
+Adapters are `nnx.LoRA` modules (x·A·B, B starting at zero, output scaled by
+alpha / rank) on the projections named in `sft.lora.targets`; their parameters are
+`nnx.LoRAParam`, so `nnx.split(model, nnx.LoRAParam, ...)` separates what trains from
+the frozen base weights. `merge_lora` folds each adapter into its weight
+(W + alpha/rank · A·B) and returns an ordinary decoder that loads like any other.
+"""
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from stagelm.config import LoraConfig
+from stagelm.errors import StagelmError
+from stagelm.files import write_json
+from stagelm.model import Decoder
+
+PROJECTIONS = {"q": ("attn", 1), "kv": ("attn", 1), "o": ("attn", 2), "gate_up": ("mlp", 1), "down": ("mlp", 1)}
+
+
+def check_rank(model: Decoder, lora: LoraConfig) -> None:
+    """Fail naming the key when the rank exceeds a targeted projection's smaller side."""
+    block = model.blocks[0]
+    for name in lora.targets:
+        part, in_dims = PROJECTIONS[name]
+        shape = getattr(getattr(block, part), name).shape
+        width = min(math.prod(shape[:in_dims]), math.prod(shape[in_dims:]))
+        if lora.rank > width:
+            raise StagelmError(f"sft.lora.rank: {lora.rank} exceeds the width {width} of projection {name!r}; lower it")
+
+
+def add_lora(base: Decoder, lora: LoraConfig, rngs: nnx.Rngs) -> Decoder:
+    """A copy of `base` with LoRA adapters on `lora.targets` (the model's output is unchanged: B = 0)."""
+    check_rank(base, lora)
+    cfg = dataclasses.replace(
+        base.cfg,
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        lora_targets=tuple(lora.targets),
+    )
+    model = Decoder(cfg, rngs)
+    nnx.update(model, nnx.state(base, nnx.Param))
+    return model
+
+
+def merge_lora(model: Decoder) -> Decoder:
+    """An ordinary decoder whose weights are W + alpha/rank · A·B for every adapted projection."""
+    merged = nnx.eval_shape(lambda: Decoder(model.cfg.without_lora(), nnx.Rngs(0)))
+    graphdef, state = nnx.split(merged)
+    weights = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    scale = model.cfg.lora_alpha / model.cfg.lora_rank
+    for layer, block in enumerate(model.blocks):
+        for name, (part, _) in PROJECTIONS.items():
+            adapter = getattr(getattr(block, part), f"{name}_lora")
+            if adapter is None:
+                continue
+            w = weights["blocks"][layer][part][name]
+            delta = (adapter.lora_a[...] @ adapter.lora_b[...]).reshape(w.shape) * scale
+            weights["blocks"][layer][part][name] = (w + delta).astype(w.dtype)
+    nnx.replace_by_pure_dict(state, drop_adapters(weights))
+    return nnx.merge(graphdef, state)
+
+
+def drop_adapters(tree: dict) -> dict:
+    return {k: drop_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if not str(k).endswith("_lora")}
+
+
+def save_adapter(out_dir: str | Path, model: Decoder, lora: LoraConfig, base_sha256: str) -> None:
+    """Only the adapter weights (Orbax) and adapter_config.json (rank, alpha, targets, base model hash)."""
+    out_dir = Path(out_dir).resolve()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(out_dir / "params", nnx.state(model, nnx.LoRAParam), force=True)
+    if jax.process_index() == 0:
+        write_json(
+            out_dir / "adapter_config.json",
+            {
+                "method": "lora",
+                **dataclasses.asdict(lora),
+                "targets": list(lora.targets),
+                "base_model_sha256": base_sha256,
+            },
+        )

@@ -1,0 +1,205 @@
+"""SFT and LoRA: frozen base weights, merged ≡ unmerged, adapter-only optimizer state, the stage."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, env_with_venv, micro_params, run, write_params
+from flax import nnx
+
+from stagelm.config import LoraConfig, load_section
+from stagelm.errors import StagelmError
+from stagelm.files import read_json
+from stagelm.loader import PackedRows, batch_iterator
+from stagelm.lora import add_lora, merge_lora
+from stagelm.model import Decoder, DecoderConfig
+from stagelm.modelio import load_model
+from stagelm.train import init_state, make_optimizer, make_train_step
+
+CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, targets=("q", "kv", "o", "gate_up", "down"))
+
+
+def lora_training(micro_data, steps=8, lora=LORA):
+    base = Decoder(CFG, nnx.Rngs(0))
+    before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(base, nnx.Param)))
+    model = add_lora(base, lora, nnx.Rngs(1))
+    graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    tcfg = load_section(micro_params(), "sft").training()
+    tx = make_optimizer(tcfg, params)
+    state = init_state(params, tx, jax.random.key(0))
+    step = make_train_step(graphdef, tx)
+    it = batch_iterator(PackedRows(micro_data / "packed/sft"), 8, 0)
+    losses = []
+    for _ in range(steps):
+        state, m = step(state, frozen, {k: v[None] for k, v in next(it).items()})
+        losses.append(float(m["loss"]))
+    return before, nnx.merge(graphdef, state.params, frozen), state, losses
+
+
+def test_lora_trains_only_adapters_and_leaves_the_base_bit_identical(micro_data):
+    before, model, state, losses = lora_training(micro_data, steps=20)
+    assert losses[-1] < losses[0]
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.LoRAParam)))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.array, after)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    lora_sizes = sorted(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    adam = state.opt_state[1][0]  # chain(clip, adamw(...)): scale_by_adam's state
+    assert sorted(x.size for x in jax.tree.leaves(adam.mu)) == lora_sizes
+    assert sorted(x.size for x in jax.tree.leaves(adam.nu)) == lora_sizes
+    assert sum(lora_sizes) < 0.5 * sum(x.size for x in jax.tree.leaves(before))
+
+
+def test_merged_equals_unmerged(micro_data):
+    _, model, _, _ = lora_training(micro_data, steps=10)
+    merged = merge_lora(model)
+    assert merged.cfg.lora_rank == 0
+    tokens = PackedRows(micro_data / "packed/sft")[0]
+    args = (tokens["tokens"][None, :-1], tokens["segment_ids"][None, :-1], tokens["positions"][None, :-1])
+    np.testing.assert_allclose(model(*args), merged(*args), atol=2e-5)
+    assert not np.allclose(model(*args), Decoder(CFG, nnx.Rngs(0))(*args), atol=1e-3)  # adapters did change it
+
+
+def test_lora_dropout_only_in_training():
+    model = add_lora(Decoder(CFG, nnx.Rngs(0)), LoraConfig(4, 8.0, 0.5, ("q",)), nnx.Rngs(1))
+    nnx.update(model, jax.tree.map(lambda x: x + 0.3, nnx.state(model, nnx.LoRAParam)))
+    x = np.arange(12)[None] % 300
+    seg, pos = np.ones_like(x), np.arange(12)[None]
+    np.testing.assert_array_equal(model(x, seg, pos), model(x, seg, pos))
+    assert not np.allclose(model(x, seg, pos, jax.random.key(0)), model(x, seg, pos))
+
+
+def test_bad_lora_settings():
+    base = Decoder(CFG, nnx.Rngs(0))
+    with pytest.raises(StagelmError, match=r"^sft\.lora\.rank: 40 exceeds the width 32 of projection 'q'"):
+        add_lora(base, LoraConfig(40, 8.0, 0.0, ("q",)), nnx.Rngs(1))
+    params = micro_params()
+    params["sft"]["lora"]["targets"] = ["q", "wq"]
+    with pytest.raises(StagelmError, match=r"^sft\.lora\.targets: unknown \['wq'\]"):
+        load_section(params, "sft")
+    params["sft"]["lora"] = {**params["sft"]["lora"], "targets": ["q"], "rank": 0}
+    with pytest.raises(StagelmError, match=r"^sft\.lora\.rank: expected a positive int, got 0"):
+        load_section(params, "sft")
+
+
+# --- the stage, as a process -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pretrained(micro_data, tmp_path_factory):
+    work = tmp_path_factory.mktemp("pretrained")
+    write_params(work / "params.yaml", micro_params())
+    run(
+        [
+            sys.executable,
+            str(ROOT / "stages/pretrain.py"),
+            "--params",
+            "params.yaml",
+            "--train",
+            str(micro_data / "packed/train"),
+            "--val",
+            str(micro_data / "packed/val"),
+            "--tokenizer",
+            str(micro_data / "tokenizer/tokenizer.json"),
+            "--out",
+            "out",
+            "--checkpoints",
+            "ckpt",
+        ],
+        work,
+    )
+    return work / "out/model"
+
+
+def sft_command(micro_data, model, work):
+    return [
+        sys.executable,
+        str(ROOT / "stages/sft.py"),
+        "--params",
+        str(work / "params.yaml"),
+        "--model",
+        str(model),
+        "--train",
+        str(micro_data / "packed/sft"),
+        "--val",
+        str(micro_data / "packed/val"),
+        "--out",
+        str(work / "out"),
+        "--checkpoints",
+        str(work / "ckpt"),
+    ]
+
+
+SFT_LONG = {"steps": 80, "checkpoint_every": 10, "eval_every": 40, "log_every": 10}
+
+
+@pytest.mark.slow
+def test_sft_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp_path):
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    for work in (killed, whole):
+        work.mkdir()
+        write_params(work / "params.yaml", micro_params(sft=SFT_LONG))
+    run(sft_command(micro_data, pretrained, whole), whole)
+    proc = subprocess.Popen(
+        sft_command(micro_data, pretrained, killed),
+        cwd=killed,
+        env=env_with_venv(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if any(p.name.isdigit() for p in (killed / "ckpt").glob("*/*")):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    resumed = run(sft_command(micro_data, pretrained, killed), killed)
+    assert "resuming from step" in resumed.stdout
+    a, b = load_model(killed / "out/model"), load_model(whole / "out/model")
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert read_json(killed / "out/metrics.json")["train_loss"] == read_json(whole / "out/metrics.json")["train_loss"]
+
+
+@pytest.mark.slow
+def test_sft_stage_outputs_and_frozen_base(micro_data, pretrained, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params())
+    out = run(sft_command(micro_data, pretrained, tmp_path), tmp_path)
+    assert "sft (lora)" in out.stdout
+    adapter = read_json(tmp_path / "out/adapter/adapter_config.json")
+    assert adapter["rank"] == micro_params()["sft"]["lora"]["rank"] and adapter["targets"]
+    assert len(adapter["base_model_sha256"]) == 64
+    merged, base = load_model(tmp_path / "out/model"), load_model(pretrained)
+    assert merged.cfg.lora_rank == 0 and merged.cfg.vocab_size == base.cfg.vocab_size
+    same = [
+        np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(nnx.state(merged)), jax.tree.leaves(nnx.state(base)), strict=True)
+    ]
+    assert not all(same) and any(same)  # targeted projections moved; embeddings and norms did not
+    assert read_json(tmp_path / "out/provenance.json")["stage"] == "sft"
+
+    write_params(tmp_path / "params.yaml", micro_params(sft={"method": "full"}))
+    full = run(sft_command(micro_data, pretrained, tmp_path), tmp_path)
+    assert "sft (full)" in full.stdout and "starting fresh" in full.stdout
+    assert read_json(tmp_path / "out/adapter/adapter_config.json") == {"method": "full"}
+
+
+@pytest.mark.slow
+def test_sft_refuses_a_model_with_another_vocab(micro_data, tmp_path):
+    from stagelm.modelio import save_model
+
+    other = Decoder(
+        DecoderConfig(vocab_size=123, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32), nnx.Rngs(0)
+    )
+    save_model(tmp_path / "m", other, micro_data / "tokenizer/tokenizer.json", {"context_len": 64})
+    write_params(tmp_path / "params.yaml", micro_params())
+    result = run(sft_command(micro_data, tmp_path / "m", tmp_path), tmp_path, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "vocab 123 differs from" in line
