@@ -169,8 +169,8 @@ def generate(seed: int, num_documents: int, num_sft: int, num_rl: int, num_eval:
     held_words, words = split_problems(uses_word_problems(), num_eval, rng)
 
     kinds: list[tuple[float, Callable[[], str]]] = [
-        (0.55, lambda: story(rng, arith)),
-        (0.30, lambda: arithmetic_sheet(rng, arith)),
+        (0.45, lambda: story(rng, arith)),
+        (0.40, lambda: arithmetic_sheet(rng, arith)),
         (0.15, lambda: uses_word_sheet(rng, words)),
     ]
     corpus = [rng.choices([k for _, k in kinds], weights=[w for w, _ in kinds])[0]() for _ in range(num_documents)]
