@@ -7,6 +7,7 @@ were made with; any failure prints the claim and exits 1.
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -77,11 +78,23 @@ def eval_claims(params: dict) -> None:
         claim(Path(f"runs/report/{name}_loss.png").is_file(), f"report: a loss curve for {name}")
 
 
+def sft_claims() -> None:
+    pre, sft = load("runs/eval/pretrain/metrics.json"), load("runs/eval/sft/metrics.json")
+    gain = sft["chat"]["accuracy"] - pre["accuracy"]
+    se = math.sqrt(sft["chat"]["accuracy_se"] ** 2 + pre["accuracy_se"] ** 2)
+    claim(
+        gain >= 3 * se,
+        f"sft: chat accuracy {sft['chat']['accuracy']:.3f} beats pretrain's best format "
+        f"({pre['accuracy_format']}) {pre['accuracy']:.3f} by {gain / se:.1f} standard errors of the difference (>= 3)",
+    )
+
+
 def main() -> None:
     params = yaml.safe_load(Path("params.yaml").read_text())
     data_claims(params)
     pretrain_claims(params)
     eval_claims(params)
+    sft_claims()
     if FAILED:
         print(f"{len(FAILED)} claim(s) failed", file=sys.stderr)
         sys.exit(1)

@@ -14,8 +14,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from stagelm.checkpoint import fingerprint, loaded_code_files
-from stagelm.config import EXECUTION_KEYS, load_section, load_seed, read_params, section_dict
+from stagelm.checkpoint import stage_fingerprint
+from stagelm.config import load_section, load_seed, read_params, section_dict
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import sha256_file
 from stagelm.hardware import describe_devices, peak_flops
@@ -49,16 +49,8 @@ def main() -> None:
     cfg = DecoderConfig(vocab_size=manifest["vocab_size"], **section_dict(model_cfg))
 
     read = {"model": section_dict(model_cfg), "training": section_dict(tcfg), "seed": seed}
-    hashed = {
-        k: {n: v for n, v in sec.items() if f"{k}.{n}" not in EXECUTION_KEYS} if isinstance(sec, dict) else sec
-        for k, sec in read.items()
-    }
-    inputs = {
-        "train": args.train / "manifest.json",
-        "val": args.val / "manifest.json",
-        "tokenizer": args.tokenizer,
-    }
-    fp = fingerprint(loaded_code_files(__file__), hashed, {k: sha256_file(p) for k, p in inputs.items()})
+    inputs = {"train": args.train / "manifest.json", "val": args.val / "manifest.json", "tokenizer": args.tokenizer}
+    fp = stage_fingerprint(__file__, read, inputs)
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     model = Decoder(cfg, nnx.Rngs(seed))

@@ -14,8 +14,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from stagelm.checkpoint import fingerprint, loaded_code_files
-from stagelm.config import EXECUTION_KEYS, load_section, load_seed, read_params, section_dict
+from stagelm.checkpoint import stage_fingerprint
+from stagelm.config import load_section, load_seed, read_params, section_dict
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import sha256_file, sha256_tree, write_json
 from stagelm.hardware import describe_devices
@@ -52,10 +52,8 @@ def main() -> None:
         raise StagelmError(f"{args.train}: packed with another tokenizer than {args.model}'s; rerun `dvc repro pack`")
 
     read = {"sft": section_dict(cfg), "seed": seed}
-    hashed = {"sft": {k: v for k, v in read["sft"].items() if f"sft.{k}" not in EXECUTION_KEYS}, "seed": seed}
     inputs = {"model": args.model / "params", "train": args.train / "manifest.json", "val": args.val / "manifest.json"}
-    input_hashes = {k: sha256_tree(p) for k, p in inputs.items()}
-    fp = fingerprint(loaded_code_files(__file__), hashed, input_hashes)
+    fp = stage_fingerprint(__file__, read, inputs)
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     model = load_model(args.model)
@@ -79,7 +77,7 @@ def main() -> None:
 
     final = result.model
     if cfg.method == "lora":
-        save_adapter(args.out / "adapter", final, cfg.lora, input_hashes["model"])
+        save_adapter(args.out / "adapter", final, cfg.lora, sha256_tree(inputs["model"]))
         final = merge_lora(final)
     elif jax.process_index() == 0:
         write_json(args.out / "adapter" / "adapter_config.json", {"method": "full"})

@@ -10,8 +10,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import copy
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,19 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, 
     if check and result.returncode != 0:
         raise AssertionError(f"{cmd} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def kill_after_first_checkpoint(cmd: list[str], cwd: Path, checkpoints: Path) -> None:
+    """Start a training stage and SIGKILL it as soon as a checkpoint step folder appears."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if any(p.name.isdigit() for p in checkpoints.glob("*/*")):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
 
 
 def make_project(dest: Path, params: dict) -> Path:

@@ -2,16 +2,13 @@
 
 import csv
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, env_with_venv, micro_params, run, write_params
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
 
 from stagelm.files import read_json
 from stagelm.modelio import load_model
@@ -64,17 +61,7 @@ def test_killed_run_resumes_bitwise(micro_data, tmp_path):
         write_params(work / "params.yaml", micro_params(training=LONG))
     run(command(micro_data, whole), whole)
 
-    proc = subprocess.Popen(
-        command(micro_data, killed), cwd=killed, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if any(p.name.isdigit() for p in (killed / "ckpt").glob("*/*")):
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_after_first_checkpoint(command(micro_data, killed), killed, killed / "ckpt")
 
     resumed = run(command(micro_data, killed), killed)
     step = int(resumed.stdout.split("resuming from step ")[1].split()[0])

@@ -1,14 +1,11 @@
 """SFT and LoRA: frozen base weights, merged ≡ unmerged, adapter-only optimizer state, the stage."""
 
-import signal
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, env_with_venv, micro_params, run, write_params
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
 from flax import nnx
 
 from stagelm.config import LoraConfig, load_section
@@ -144,21 +141,7 @@ def test_sft_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp_pat
         work.mkdir()
         write_params(work / "params.yaml", micro_params(sft=SFT_LONG))
     run(sft_command(micro_data, pretrained, whole), whole)
-    proc = subprocess.Popen(
-        sft_command(micro_data, pretrained, killed),
-        cwd=killed,
-        env=env_with_venv(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if any(p.name.isdigit() for p in (killed / "ckpt").glob("*/*")):
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    kill_after_first_checkpoint(sft_command(micro_data, pretrained, killed), killed, killed / "ckpt")
     resumed = run(sft_command(micro_data, pretrained, killed), killed)
     assert "resuming from step" in resumed.stdout
     a, b = load_model(killed / "out/model"), load_model(whole / "out/model")

@@ -21,7 +21,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
-from stagelm.files import sha256_file
+from stagelm.config import EXECUTION_KEYS
+from stagelm.files import sha256_file, sha256_tree
 
 
 def loaded_code_files(script: str | Path) -> list[Path]:
@@ -41,6 +42,18 @@ def fingerprint(code_files: list[Path], params: dict[str, Any], input_hashes: di
     h.update(json.dumps(params, sort_keys=True).encode())
     h.update(json.dumps(input_hashes, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def stage_fingerprint(script: str | Path, params_read: dict[str, Any], inputs: dict[str, Path]) -> str:
+    """The resume fingerprint of a training stage: its code, the params it read less the
+    execution settings (`config.EXECUTION_KEYS`), and the sha256 of its input files or folders."""
+    hashed = {
+        section: {k: v for k, v in values.items() if f"{section}.{k}" not in EXECUTION_KEYS}
+        if isinstance(values, dict)
+        else values
+        for section, values in params_read.items()
+    }
+    return fingerprint(loaded_code_files(script), hashed, {k: sha256_tree(p) for k, p in inputs.items()})
 
 
 class Checkpoints:
