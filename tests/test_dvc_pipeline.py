@@ -76,11 +76,11 @@ def test_noop_repro_runs_nothing_and_is_quick(project):
 
 def test_eval_and_sample_params_rerun_only_their_stages(project):
     write_params(project / "params.yaml", micro_params(sample={"temperature": 0.7}))
-    assert set(status(project)) == {"sample@pretrain"}
-    assert repro_ran(project) == {"sample@pretrain", "report"}
+    assert set(status(project)) == {"sample@pretrain", "sample@sft"}
+    assert repro_ran(project) == {"sample@pretrain", "sample@sft", "report"}
     params = micro_params(sample={"temperature": 0.7}, eval={"max_examples": 20})
     write_params(project / "params.yaml", params)
-    assert repro_ran(project) == {"eval@pretrain", "report"}
+    assert repro_ran(project) == {"eval@pretrain", "eval@sft", "report"}
 
 
 def test_generate_cli_streams_from_a_stage_model(project):
@@ -98,11 +98,12 @@ def test_generate_cli_streams_from_a_stage_model(project):
 def test_params_change_reruns_only_downstream(project):
     params = micro_params(training={"lr": 1e-3})
     write_params(project / "params.yaml", params)
-    assert set(status(project)) == {"pretrain"}
+    assert set(status(project)) == {"pretrain"}  # sft and the per-model stages follow once it reruns
     params = micro_params(tokenizer={"vocab_size": 290})
     write_params(project / "params.yaml", params)
     assert set(status(project)) == {"tokenizer"}
-    assert repro_ran(project) == {"tokenizer", "pack", "pretrain", "eval@pretrain", "sample@pretrain", "report"}
+    downstream = {"eval@pretrain", "sample@pretrain", "sft", "eval@sft", "sample@sft", "report"}
+    assert repro_ran(project) == {"tokenizer", "pack", "pretrain"} | downstream
     params["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}
     params["training"]["log_every"] = 5
     params["notes"] = "an unrelated key"
