@@ -10,6 +10,7 @@ on GitHub and in any Markdown viewer.
 import csv
 import hashlib
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,6 @@ def model_summary(runs: Path, name: str) -> dict[str, Any]:
     train = read_json(runs / name / "metrics.json")
     prov = read_json(runs / name / "provenance.json")
     config = read_json(runs / name / "model" / "config.json")
-    from datetime import datetime
-
     wall = (datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])).total_seconds()
     return {
         "name": name,
