@@ -6,6 +6,7 @@ import shutil
 import time
 
 import pytest
+import yaml
 from conftest import make_project, micro_params, run, write_params
 
 from stagelm.files import read_json
@@ -20,6 +21,7 @@ def built_project(tmp_path_factory):
     """A micro project after one full `dvc repro` (copied per test, .dvc/cache included)."""
     root = make_project(tmp_path_factory.mktemp("project") / "stagelm", micro_params())
     run(["dvc", "repro"], root)
+    run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qam", "repro"], root)  # as a user would
     return root
 
 
@@ -122,3 +124,47 @@ def test_failed_stage_loses_nothing(project):
     run(["dvc", "checkout"], project)
     assert read_json(project / "data/packed/train/manifest.json") == before
     assert status(project) == {}
+
+
+def test_lineage_walks_back_to_the_raw_data_with_the_locked_hashes(project):
+    out = run(["stagelm", "lineage", "runs/sft/model"], project).stdout
+    assert out.splitlines()[0] == "sft ← pretrain ← pack ← tokenizer ← download"
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    commit = run(["git", "rev-list", "--max-parents=0", "HEAD"], project).stdout.strip()  # the repro ran there
+    for stage in ("sft", "pretrain", "pack", "tokenizer"):
+        for dep in lock[stage]["deps"]:
+            if not dep["path"].endswith(".py"):
+                assert f"input {dep['path']} md5 {dep['md5']}" in out
+    assert f"pretrain: commit {commit[:10]}" in out
+    assert "param training.lr = " in out and "param sft.method = lora" in out
+    bad = run(["stagelm", "lineage", "nowhere/at/all"], project, check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: nowhere/at/all: no stage")
+
+
+def test_inspect_summarises_a_run(project):
+    out = run(["stagelm", "inspect", "runs/pretrain"], project).stdout
+    assert "stage pretrain" in out and "step: 12" in out and "ran from step 0" in out
+    assert "checkpoints in runs/.checkpoints/pretrain/" in out and "steps [8, 12]" in out
+
+
+def test_experiment_runs_and_compares(project):
+    run(["dvc", "exp", "run", "-n", "lr1e2", "-S", "training.lr=1e-2"], project)
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
+    baseline = shown[1]
+    experiment = baseline["experiments"][0]["revs"][0]
+    for rev in (baseline, experiment):
+        metrics = rev["data"]["metrics"]
+        assert metrics["runs/pretrain/metrics.json"]["data"]["val_loss"] > 0
+        assert metrics["runs/eval/sft/metrics.json"]["data"]["accuracy"] >= 0
+    assert experiment["data"]["params"]["params.yaml"]["data"]["training"]["lr"] == 1e-2
+    diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], project).stdout
+    assert "runs/pretrain/metrics.json" in json.loads(diff)
+    params = json.loads(run(["dvc", "params", "diff", "HEAD", "--json"], project).stdout)
+    assert params["params.yaml"]["training.lr"]["new"] == 1e-2
+
+
+def test_bad_experiment_fails_at_once_with_the_params_line(project):
+    result = run(["dvc", "exp", "run", "-S", "training.lr=fast"], project, check=False)
+    assert result.returncode != 0
+    assert "error: training.lr: expected a positive float, got 'fast'" in result.stdout + result.stderr
+    assert "Running stage 'pretrain'" in result.stdout and "Traceback" not in result.stdout + result.stderr

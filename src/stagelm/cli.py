@@ -78,6 +78,19 @@ def generate(args: argparse.Namespace) -> None:
     sys.stdout.write(tok.decode(out, skip_special_tokens=False)[len(shown) :] + "\n")
 
 
+def lineage(args: argparse.Namespace) -> None:
+    from stagelm.lineage import chain, format_chain
+
+    print(format_chain(chain(Path(args.lock), args.artifact)))
+
+
+def inspect(args: argparse.Namespace) -> None:
+    from stagelm.lineage import inspect_run
+
+    root = Path(pipeline_vars(Path(args.pipeline)).get("checkpoints_dir", "runs/.checkpoints"))
+    print(inspect_run(Path(args.run_dir), root))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="stagelm", description="stagelm: what DVC does not do")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +108,14 @@ def main() -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=generate)
+    lin = sub.add_parser("lineage", help="trace an artifact back to the raw data")
+    lin.add_argument("artifact")
+    lin.add_argument("--lock", default="dvc.lock")
+    lin.set_defaults(func=lineage)
+    ins = sub.add_parser("inspect", help="summarise one stage run directory")
+    ins.add_argument("run_dir")
+    ins.add_argument("--pipeline", default="dvc.yaml")
+    ins.set_defaults(func=inspect)
     args = parser.parse_args()
     run_main(lambda: args.func(args))
 
