@@ -168,3 +168,31 @@ def test_bad_experiment_fails_at_once_with_the_params_line(project):
     assert result.returncode != 0
     assert "error: training.lr: expected a positive float, got 'fast'" in result.stdout + result.stderr
     assert "Running stage 'pretrain'" in result.stdout and "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_pushed_model_is_evaluated_elsewhere_without_retraining(project, tmp_path):
+    remote = tmp_path / "remote"
+    run(["dvc", "remote", "add", "-d", "storage", str(remote)], project)
+    run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qam", "remote"], project)
+    run(["dvc", "push"], project)
+    original = read_json(project / "runs/eval/pretrain/metrics.json")
+
+    fresh = tmp_path / "fresh"
+    run(["git", "clone", "-q", str(project), str(fresh)], tmp_path)
+    out = run(["dvc", "repro", "--pull", "--allow-missing", "eval@pretrain"], fresh).stdout
+    assert "Running stage" not in out  # everything eval needs came from the remote
+    assert not (fresh / "runs/sft").exists()  # and nothing it does not need
+
+    again = tmp_path / "again"
+    run(["git", "clone", "-q", str(project), str(again)], tmp_path)
+    run(["dvc", "pull", "--with-deps", "eval@pretrain"], again)
+    ran = run(["dvc", "repro", "-f", "-s", "eval@pretrain"], again).stdout
+    assert [line for line in ran.splitlines() if line.startswith("Running stage")] == ["Running stage 'eval@pretrain':"]
+    rerun = read_json(again / "runs/eval/pretrain/metrics.json")
+    assert rerun == original
+
+    third = tmp_path / "third"
+    run(["git", "clone", "-q", str(project), str(third)], tmp_path)
+    run(["dvc", "pull", "pretrain"], third)
+    out = run(["dvc", "repro", "eval@pretrain"], third).stdout
+    assert "Running stage 'pretrain'" not in out
