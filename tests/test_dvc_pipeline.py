@@ -196,3 +196,22 @@ def test_a_pushed_model_is_evaluated_elsewhere_without_retraining(project, tmp_p
     run(["dvc", "pull", "pretrain"], third)
     out = run(["dvc", "repro", "eval@pretrain"], third).stdout
     assert "Running stage 'pretrain'" not in out
+
+
+def test_queued_experiments_both_finish_and_differ(project):
+    (project / "notes.txt").write_text("a new file, staged before queueing\n")
+    run(["git", "add", "notes.txt"], project)
+    for lr in ("1e-3", "1e-2"):
+        run(["dvc", "exp", "run", "--queue", "-n", f"lr{lr}", "-S", f"training.lr={lr}"], project)
+    run(["dvc", "exp", "run", "--run-all", "--jobs", "1"], project, timeout=900)
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
+    revs = [r for e in shown[1]["experiments"] for r in e["revs"]]
+    by_name = {r["name"]: r["data"]["metrics"]["runs/pretrain/metrics.json"]["data"] for r in revs}
+    assert set(by_name) == {"lr1e-3", "lr1e-2"}
+    assert by_name["lr1e-3"]["train_loss"] != by_name["lr1e-2"]["train_loss"]
+
+
+def test_plots_page_has_the_loss_curves(project):
+    run(["dvc", "plots", "show", "-o", "plots_page"], project)
+    page = (project / "plots_page/index.html").read_text()
+    assert "runs/pretrain/plots/metrics/train/loss.tsv" in page and "runs/sft/plots/metrics/val/loss.tsv" in page
