@@ -89,12 +89,29 @@ def sft_claims() -> None:
     )
 
 
+def distill_claims(params: dict) -> None:
+    m, prov = load("runs/distill/metrics.json"), load("runs/distill/provenance.json")
+    claim(m["step"] == params["distill"]["steps"], f"distill: ran distill.steps={m['step']} steps")
+    student, teacher = prov["student_params"], prov["teacher_params"]
+    claim(student < teacher, f"distill: the student has {student:,} params, fewer than the teacher's {teacher:,}")
+
+
+def grpo_claims(params: dict) -> None:
+    m = load("runs/grpo/metrics.json")
+    claim(m["step"] == params["grpo"]["steps"], f"grpo: ran grpo.steps={m['step']} optimizer steps")
+    rows = Path("runs/grpo/plots/metrics/rollout/reward.tsv").read_text().strip().splitlines()[1:]
+    rollouts = params["grpo"]["steps"] // params["grpo"]["updates_per_rollout"]
+    claim(len(rows) == rollouts, f"grpo: {len(rows)} rollouts' rewards logged (steps / updates_per_rollout)")
+
+
 def main() -> None:
     params = yaml.safe_load(Path("params.yaml").read_text())
     data_claims(params)
     pretrain_claims(params)
     eval_claims(params)
     sft_claims()
+    distill_claims(params)
+    grpo_claims(params)
     if FAILED:
         print(f"{len(FAILED)} claim(s) failed", file=sys.stderr)
         sys.exit(1)

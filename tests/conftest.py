@@ -50,6 +50,27 @@ MICRO = {
         "checkpoint_every": 5,
         "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "kv", "o", "gate_up", "down"]},
     },
+    "distill": {
+        "steps": 10,
+        "batch_size": 8,
+        "warmup_steps": 2,
+        "eval_every": 5,
+        "eval_batches": 2,
+        "log_every": 2,
+        "checkpoint_every": 5,
+        "student": {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 32, "vocab_size": None},
+    },
+    "grpo": {
+        "prompts_per_step": 8,
+        "group_size": 4,
+        "max_new_tokens": 12,
+        "steps": 6,
+        "warmup_steps": 1,
+        "eval_every": 6,
+        "eval_batches": 2,
+        "log_every": 2,
+        "checkpoint_every": 2,
+    },
 }
 
 

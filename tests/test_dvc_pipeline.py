@@ -13,6 +13,8 @@ from stagelm.files import read_json
 from stagelm.generate import load_generator
 from stagelm.loader import PackedRows
 
+MODELS = ("pretrain", "sft", "distill", "grpo")  # the model stages, as dvc.yaml's `models` var lists them
+
 pytestmark = pytest.mark.slow
 
 
@@ -66,6 +68,8 @@ def test_full_repro_produced_every_artifact(project):
     report = (project / "runs/report.md").read_text()
     assert "| pretrain |" in report and "![pretrain loss](report/pretrain_loss.png)" in report
     assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
+    assert (project / "runs/report/grpo_reward.png").is_file()
+    assert run(["git", "diff", "--exit-code", "dvc.yaml"], project, check=False).returncode == 0  # nothing rewrote it
 
 
 def test_noop_repro_runs_nothing_and_is_quick(project):
@@ -78,11 +82,12 @@ def test_noop_repro_runs_nothing_and_is_quick(project):
 
 def test_eval_and_sample_params_rerun_only_their_stages(project):
     write_params(project / "params.yaml", micro_params(sample={"temperature": 0.7}))
-    assert set(status(project)) == {"sample@pretrain", "sample@sft"}
-    assert repro_ran(project) == {"sample@pretrain", "sample@sft", "report"}
+    samples = {f"sample@{m}" for m in MODELS}
+    assert set(status(project)) == samples
+    assert repro_ran(project) == samples | {"report"}
     params = micro_params(sample={"temperature": 0.7}, eval={"max_examples": 20})
     write_params(project / "params.yaml", params)
-    assert repro_ran(project) == {"eval@pretrain", "eval@sft", "report"}
+    assert repro_ran(project) == {f"eval@{m}" for m in MODELS} | {"report"}
 
 
 def test_generate_cli_streams_from_a_stage_model(project):
@@ -104,7 +109,7 @@ def test_params_change_reruns_only_downstream(project):
     params = micro_params(tokenizer={"vocab_size": 290})
     write_params(project / "params.yaml", params)
     assert set(status(project)) == {"tokenizer"}
-    downstream = {"eval@pretrain", "sample@pretrain", "sft", "eval@sft", "sample@sft", "report"}
+    downstream = {"sft", "distill", "grpo", "report"} | {f"{kind}@{m}" for kind in ("eval", "sample") for m in MODELS}
     assert repro_ran(project) == {"tokenizer", "pack", "pretrain"} | downstream
     params["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}
     params["training"]["log_every"] = 5
@@ -127,16 +132,18 @@ def test_failed_stage_loses_nothing(project):
 
 
 def test_lineage_walks_back_to_the_raw_data_with_the_locked_hashes(project):
-    out = run(["stagelm", "lineage", "runs/sft/model"], project).stdout
-    assert out.splitlines()[0] == "sft ← pretrain ← pack ← tokenizer ← download"
+    out = run(["stagelm", "lineage", "runs/grpo/model"], project).stdout
+    assert out.splitlines()[0] == "grpo ← sft ← pretrain ← pack ← tokenizer ← download"
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     commit = run(["git", "rev-list", "--max-parents=0", "HEAD"], project).stdout.strip()  # the repro ran there
-    for stage in ("sft", "pretrain", "pack", "tokenizer"):
+    for stage in ("grpo", "sft", "pretrain", "pack", "tokenizer"):
         for dep in lock[stage]["deps"]:
             if not dep["path"].endswith(".py"):
                 assert f"input {dep['path']} md5 {dep['md5']}" in out
     assert f"pretrain: commit {commit[:10]}" in out
-    assert "param training.lr = " in out and "param sft.method = lora" in out
+    assert "param training.lr = " in out and "param sft.method = lora" in out and "param grpo.kl_coef = " in out
+    distill = run(["stagelm", "lineage", "runs/distill/model"], project).stdout
+    assert distill.splitlines()[0] == "distill ← sft ← pretrain ← pack ← tokenizer ← download"
     bad = run(["stagelm", "lineage", "nowhere/at/all"], project, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: nowhere/at/all: no stage")
 

@@ -88,12 +88,17 @@ class ModelConfig:
     init_std: float = checked(POSITIVE)
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise StagelmError(f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}")
-        if self.n_heads % self.n_kv_heads:
-            raise StagelmError(f"model.n_kv_heads: {self.n_kv_heads} does not divide model.n_heads {self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
-            raise StagelmError("model.n_heads: the head size d_model/n_heads must be even for RoPE")
+        check_heads(self, "model")
+
+
+def check_heads(cfg: Any, prefix: str) -> None:
+    """Attention shape rules of a decoder section (`model`, `distill.student`)."""
+    if cfg.d_model % cfg.n_heads:
+        raise StagelmError(f"{prefix}.n_heads: {cfg.n_heads} does not divide {prefix}.d_model {cfg.d_model}")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise StagelmError(f"{prefix}.n_kv_heads: {cfg.n_kv_heads} does not divide {prefix}.n_heads {cfg.n_heads}")
+    if (cfg.d_model // cfg.n_heads) % 2:
+        raise StagelmError(f"{prefix}.n_heads: the head size d_model/n_heads must be even for RoPE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,7 @@ class SampleConfig:
             raise StagelmError("sample.prompts: expected a non-empty list of non-empty strings")
 
 
+FAMILIES = ("arithmetic", "uses_word")  # the task families (stagelm.tasks asks and checks them)
 LORA_TARGETS = ("q", "kv", "o", "gate_up", "down")  # the decoder's projections, by parameter name
 
 
@@ -193,8 +199,103 @@ class SftConfig:
 
     def training(self) -> TrainingConfig:
         """The loop and optimizer settings of the SFT run (AdamW betas 0.9/0.95, eps 1e-8, no decay on embeddings)."""
-        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainingConfig) if hasattr(self, f.name)}
-        return TrainingConfig(**own, beta1=0.9, beta2=0.95, eps=1e-8, decay_fraction=0.2, decay_embeddings=False)
+        return own_training(self, beta1=0.9, beta2=0.95, eps=1e-8, decay_fraction=0.2, decay_embeddings=False)
+
+
+def own_training(config: Any, **fixed: Any) -> TrainingConfig:
+    """The TrainingConfig of a fine-tuning section: its own loop and optimizer keys, `fixed` for the rest."""
+    own = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainingConfig) if hasattr(config, f.name)}
+    return TrainingConfig(**{**fixed, **own})
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentConfig:
+    """The distilled student's shape; everything else (RoPE, norms, dtypes) is the teacher's."""
+
+    d_model: int = checked(POSITIVE)
+    n_layers: int = checked(POSITIVE)
+    n_heads: int = checked(POSITIVE)
+    n_kv_heads: int = checked(POSITIVE)
+    d_ff: int = checked(POSITIVE)
+    vocab_size: int | None = checked(POSITIVE)  # null = the teacher's; any other value is refused
+
+    def __post_init__(self) -> None:
+        check_heads(self, "distill.student")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    alpha: float = checked(UNIT)  # weight of the soft (KL) term; 1 - alpha goes to the hard CE
+    temperature: float = checked(POSITIVE)
+    data: str = checked(one_of("corpus", "sft", "both"))
+    lr: float = checked(POSITIVE)
+    min_lr_ratio: float = checked(UNIT)
+    schedule: str = checked(one_of("constant", "cosine", "wsd"))
+    warmup_steps: int = checked(NON_NEGATIVE)
+    weight_decay: float = checked(NON_NEGATIVE)
+    grad_clip: float = checked(NON_NEGATIVE)
+    batch_size: int = checked(POSITIVE)
+    grad_accum: int = checked(POSITIVE)
+    steps: int = checked(POSITIVE)
+    eval_every: int = checked(POSITIVE)
+    eval_batches: int = checked(POSITIVE)
+    log_every: int = checked(POSITIVE)  # execution settings, as in `training`
+    checkpoint_every: int = checked(POSITIVE)
+    keep_checkpoints: int = checked(POSITIVE)
+    student: StudentConfig
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps >= self.steps:
+            raise StagelmError(f"distill.warmup_steps: {self.warmup_steps} must be below distill.steps {self.steps}")
+
+    def training(self) -> TrainingConfig:
+        return own_training(self, beta1=0.9, beta2=0.95, eps=1e-8, decay_fraction=0.2, decay_embeddings=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig:
+    families: list[str]  # the rl task families rewarded (and so targeted)
+    prompts_per_step: int = checked(POSITIVE)
+    group_size: int = checked((lambda v: v >= 2, "an {type} >= 2 (advantages compare samples of one prompt)"))
+    temperature: float = checked(POSITIVE)
+    top_p: float = checked((lambda v: 0 < v <= 1, "a {type} in (0, 1]"))
+    max_new_tokens: int = checked(POSITIVE)
+    format_weight: float = checked(NON_NEGATIVE)  # reward for a well-formed answer, added to correctness
+    clip_eps: float = checked(FRACTION)
+    kl_coef: float = checked(NON_NEGATIVE)
+    updates_per_rollout: int = checked(POSITIVE)
+    lr: float = checked(POSITIVE)
+    min_lr_ratio: float = checked(UNIT)
+    schedule: str = checked(one_of("constant", "cosine", "wsd"))
+    warmup_steps: int = checked(NON_NEGATIVE)
+    beta1: float = checked(UNIT)
+    beta2: float = checked(UNIT)
+    eps: float = checked(POSITIVE)  # Adam's epsilon
+    weight_decay: float = checked(NON_NEGATIVE)
+    grad_clip: float = checked(NON_NEGATIVE)
+    steps: int = checked(POSITIVE)  # optimizer steps: steps / updates_per_rollout rollouts
+    eval_every: int = checked(POSITIVE)
+    eval_batches: int = checked(POSITIVE)
+    log_every: int = checked(POSITIVE)  # execution settings, as in `training`
+    checkpoint_every: int = checked(POSITIVE)
+    keep_checkpoints: int = checked(POSITIVE)
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if unknown or not self.families:
+            raise StagelmError(f"grpo.families: unknown {unknown or 'empty list'}; choose among {list(FAMILIES)}")
+        if self.warmup_steps >= self.steps:
+            raise StagelmError(f"grpo.warmup_steps: {self.warmup_steps} must be below grpo.steps {self.steps}")
+        for key in ("steps", "eval_every", "checkpoint_every"):
+            if getattr(self, key) % self.updates_per_rollout:
+                raise StagelmError(
+                    f"grpo.{key}: {getattr(self, key)} is not a multiple of grpo.updates_per_rollout "
+                    f"{self.updates_per_rollout} (checkpoints and evals fall between rollouts)"
+                )
+
+    def training(self) -> TrainingConfig:
+        rows = self.prompts_per_step * self.group_size
+        return own_training(self, batch_size=rows, grad_accum=1, decay_fraction=0.2, decay_embeddings=False)
 
 
 SECTIONS: dict[str, type] = {
@@ -207,13 +308,15 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "sample": SampleConfig,
     "sft": SftConfig,
+    "distill": DistillConfig,
+    "grpo": GrpoConfig,
 }
 
 # Keys that tune how a stage runs, not what it computes: never DVC params, never hashed
 # into a resume fingerprint.
 EXECUTION_KEYS = {
     f"{section}.{key}"
-    for section in ("training", "sft")
+    for section in ("training", "sft", "distill", "grpo")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints")
 }
 

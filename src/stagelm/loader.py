@@ -84,8 +84,39 @@ class PackedRows:
         return {c: np.concatenate([s[c] for s in self.shards]) for c in self.columns}
 
 
+class MixedRows:
+    """Several packed splits read as one (row i of the first, then of the next, ...).
+
+    Splits must share the row length. A split without `loss_mask` (the corpus) trains on
+    every token, so it gets a mask of ones when another split (SFT) carries one.
+    """
+
+    def __init__(self, splits: list[PackedRows]):
+        widths = {s.manifest["row_len"] for s in splits}
+        if len(widths) != 1:
+            raise StagelmError(
+                f"{', '.join(str(s.dir) for s in splits)}: row lengths differ ({sorted(widths)}); repack"
+            )
+        self.splits = splits
+        self.dir = splits[0].dir
+        self.manifest = splits[0].manifest
+        self.columns = sorted({c for s in splits for c in s.columns})
+        self.starts = list(np.cumsum([0] + [len(s) for s in splits[:-1]]))
+        self.rows = sum(len(s) for s in splits)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        which = bisect.bisect_right(self.starts, index) - 1
+        row = self.splits[which][index - self.starts[which]]
+        if "loss_mask" in self.columns and "loss_mask" not in row:
+            row = {**row, "loss_mask": np.ones_like(row["tokens"])}
+        return row
+
+
 def batch_iterator(
-    rows: PackedRows,
+    rows: PackedRows | MixedRows,
     batch_size: int,
     seed: int,
     *,

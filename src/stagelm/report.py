@@ -29,19 +29,25 @@ def read_curve(tsv: Path) -> tuple[list[int], list[float]]:
     return [int(r["step"]) for r in rows], [float(r[tsv.stem]) for r in rows]
 
 
-def loss_curve(plots_dir: Path, title: str, out_png: Path) -> None:
-    """Train and val loss against step, as a PNG."""
+def loss_curve(
+    plots_dir: Path,
+    title: str,
+    out_png: Path,
+    curves: tuple = (("train/loss.tsv", "-"), ("val/loss.tsv", "o-")),
+    ylabel: str = "loss (nats/token)",
+) -> None:
+    """Curves of dvclive plot files (train and val loss by default) against step, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    for name, style in (("train/loss.tsv", "-"), ("val/loss.tsv", "o-")):
+    for name, style in curves:
         steps, values = read_curve(plots_dir / name)
         if steps:
-            ax.plot(steps, values, style, label=name.split("/")[0], markersize=4)
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+            ax.plot(steps, values, style, label=name.removesuffix(".tsv"), markersize=4)
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -124,8 +130,14 @@ def render(runs: Path, models: list[str], figures: Path, report_path: Path, benc
     out += ["", "## Training curves", ""]
     for m in summaries:
         png = figures / f"{m['name']}_loss.png"
-        loss_curve(runs / m["name"] / "plots" / "metrics", f"{m['name']}: loss", png)
+        plots = runs / m["name"] / "plots" / "metrics"
+        loss_curve(plots, f"{m['name']}: loss", png)
         out += [f"![{m['name']} loss]({rel / png.name})", ""]
+        if (plots / "rollout" / "reward.tsv").is_file():  # RL stages: the sampled reward and accuracy
+            png = figures / f"{m['name']}_reward.png"
+            rl = (("rollout/reward.tsv", "-"), ("rollout/accuracy.tsv", "--"))
+            loss_curve(plots, f"{m['name']}: sampled reward", png, rl, "mean over the rollout")
+            out += [f"![{m['name']} reward]({rel / png.name})", ""]
     out += ["## Samples", ""]
     for name in models:
         for record in read_jsonl(runs / "samples" / f"{name}.jsonl")[:3]:

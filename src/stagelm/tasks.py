@@ -17,7 +17,8 @@ import dataclasses
 import re
 from typing import Any
 
-FAMILIES = ("arithmetic", "uses_word")
+from stagelm.config import FAMILIES
+
 OPS = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b}
 
 

@@ -21,7 +21,9 @@ from flax import nnx
 
 from stagelm.config import TrainingConfig
 
-LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array | None], tuple[jax.Array, jax.Array]]
+# (model, batch, rng) -> (loss sum, weight) or (loss sum, weight, {name: sum}); the step reports
+# each aux sum divided by the weight, like the loss.
+LossFn = Callable[[nnx.Module, dict[str, jax.Array], jax.Array | None], tuple]
 
 
 class TrainState(NamedTuple):
@@ -101,22 +103,25 @@ def init_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array) ->
 
 
 def accumulate_grads(loss_and_grad: Callable, params: Any, batch: dict, rng: jax.Array) -> tuple:
-    """Sum (loss, weight, grads) over the leading microbatch axis of `batch`."""
+    """Sum ((loss, weight, aux), grads) over the leading microbatch axis of `batch`."""
     n_micro = jax.tree.leaves(batch)[0].shape[0]
     if n_micro == 1:
-        (loss, weight), grads = loss_and_grad(params, jax.tree.map(lambda x: x[0], batch), rng)
-        return loss, weight, grads
+        return loss_and_grad(params, jax.tree.map(lambda x: x[0], batch), rng)
 
     def body(carry: tuple, micro: tuple) -> tuple:
-        loss, weight, grads = carry
         mb, key = micro
-        (l, w), g = loss_and_grad(params, mb, key)
-        return (loss + l, weight + w, jax.tree.map(jnp.add, grads, g)), None
+        return jax.tree.map(jnp.add, carry, loss_and_grad(params, mb, key)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    first = jax.eval_shape(loss_and_grad, params, jax.tree.map(lambda x: x[0], batch), rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
     keys = jax.random.split(rng, n_micro)
-    (loss, weight, grads), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(()), zeros), (batch, keys))
-    return loss, weight, grads
+    total, _ = jax.lax.scan(body, zeros, (batch, keys))
+    return total
+
+
+def loss_parts(out: tuple) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(loss sum, weight, aux sums) of a loss function's result; aux is optional."""
+    return (out[0], out[1], out[2]) if len(out) == 3 else (out[0], out[1], {})
 
 
 def make_train_step(
@@ -126,8 +131,8 @@ def make_train_step(
 
     def sum_loss(params: Any, frozen: Any, batch: dict, rng: jax.Array) -> tuple:
         model = nnx.merge(graphdef, params, frozen)
-        loss, weight = loss_fn(model, batch, rng)
-        return loss, (loss, weight)
+        loss, weight, aux = loss_parts(loss_fn(model, batch, rng))
+        return loss, (loss, weight, aux)
 
     def step(state: TrainState, frozen: Any, batch: dict) -> tuple[TrainState, dict]:
         rng, step_rng = jax.random.split(state.rng)
@@ -137,12 +142,13 @@ def make_train_step(
             grads, aux = grad_fn(params, frozen, micro, key)
             return aux, grads
 
-        loss, weight, grads = accumulate_grads(loss_and_grad, state.params, batch, step_rng)
+        (loss, weight, aux), grads = accumulate_grads(loss_and_grad, state.params, batch, step_rng)
         denom = jnp.maximum(weight, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss / denom, "tokens": weight, "grad_norm": optax.tree.norm(grads)}
+        metrics.update({name: value / denom for name, value in aux.items()})
         return TrainState(params, opt_state, state.step + 1, rng), metrics
 
     if out_shardings is None:
@@ -154,6 +160,7 @@ def make_eval_step(graphdef: Any, loss_fn: LossFn = lm_loss) -> Callable:
     """A jitted `eval_step(params, frozen, batch) -> (loss sum, weight)` over one (B, L) batch."""
 
     def eval_step(params: Any, frozen: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
-        return loss_fn(nnx.merge(graphdef, params, frozen), batch, None)  # no rng: no dropout in eval
+        loss, weight, _ = loss_parts(loss_fn(nnx.merge(graphdef, params, frozen), batch, None))  # no rng: no dropout
+        return loss, weight
 
     return jax.jit(eval_step)

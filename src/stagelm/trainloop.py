@@ -3,8 +3,9 @@
 It places the state on the mesh, resumes from the fingerprint's last checkpoint,
 steps the jitted train step over Grain batches, evaluates, checkpoints, logs
 through dvclive and stops on a non-finite loss with the last good checkpoint kept.
-What differs between stages is the model, which variables train (`trainable`) and
-the loss function.
+What differs between stages is the model, which variables train (`trainable`), the
+loss function and where batches come from: packed rows through Grain by default,
+or any `BatchSource` (GRPO's rollouts of the current policy).
 
 Metrics reach the host one step late: step i's loss is read after step i+1 was
 dispatched, so the device never waits for the host.
@@ -14,7 +15,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -24,7 +25,7 @@ from stagelm.batching import evaluate, global_batch
 from stagelm.checkpoint import Checkpoints, other_fingerprints
 from stagelm.config import TrainingConfig
 from stagelm.errors import StagelmError
-from stagelm.loader import PackedRows, batch_iterator
+from stagelm.loader import MixedRows, PackedRows, batch_iterator
 from stagelm.metrics import MetricLog
 from stagelm.sharding import param_shardings, replicated
 from stagelm.train import (
@@ -37,6 +38,36 @@ from stagelm.train import (
     make_optimizer,
     make_train_step,
 )
+
+
+class BatchSource(Protocol):
+    """Where a training stage's batches come from; its state is saved in every checkpoint."""
+
+    def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """(this process's rows as (rows, L) arrays, host metrics for the step's log row)."""
+        ...
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+
+class PackedBatches:
+    """Batches of packed rows: a seeded, process-sharded, checkpointable Grain iterator."""
+
+    def __init__(self, rows: PackedRows, local_rows: int, seed: int):
+        self.it = batch_iterator(
+            rows, local_rows, seed, shard_index=jax.process_index(), shard_count=jax.process_count()
+        )
+
+    def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        return next(self.it), {}
+
+    def get_state(self) -> dict[str, Any]:
+        return self.it.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.it.set_state(state)
 
 
 @dataclasses.dataclass
@@ -72,7 +103,7 @@ def state_shardings(tx: Any, params: Any, p_sh: Any, mesh: jax.sharding.Mesh) ->
 def train(
     model: nnx.Module,
     cfg: TrainingConfig,
-    train_rows: PackedRows,
+    train_rows: PackedRows | MixedRows | None,
     val_rows: PackedRows,
     *,
     seed: int,
@@ -82,10 +113,16 @@ def train(
     fingerprint: str,
     trainable: Any = nnx.Param,
     loss_fn: LossFn = lm_loss,
+    eval_loss_fn: LossFn | None = None,
+    batches: BatchSource | None = None,
     flops_per_token: float | None = None,
     peak_flops: float | None = None,
 ) -> TrainResult:
-    """Train `model` for `cfg.steps` steps (resuming when a checkpoint exists) and return it."""
+    """Train `model` for `cfg.steps` steps (resuming when a checkpoint exists) and return it.
+
+    `eval_loss_fn` (default `loss_fn`) gives val/loss on `val_rows`; `batches` (default:
+    `train_rows` through Grain) gives the training batches.
+    """
     if cfg.batch_size % jax.process_count():
         raise StagelmError(f"training.batch_size: {cfg.batch_size} does not split over {jax.process_count()} processes")
     with jax.set_mesh(mesh):
@@ -94,11 +131,9 @@ def train(
         st_sh = state_shardings(tx, params, p_sh, mesh)
         state = jax.jit(lambda p: init_state(p, tx, jax.random.key(seed)), out_shardings=st_sh)(params)
         step_fn = make_train_step(graphdef, tx, loss_fn, out_shardings=(st_sh, replicated(mesh)))
-        eval_fn = make_eval_step(graphdef, loss_fn)
+        eval_fn = make_eval_step(graphdef, eval_loss_fn or loss_fn)
         local_rows = cfg.batch_size * cfg.grad_accum // jax.process_count()
-        data = batch_iterator(
-            train_rows, local_rows, seed, shard_index=jax.process_index(), shard_count=jax.process_count()
-        )
+        data = batches or PackedBatches(train_rows, local_rows, seed)
 
         ckpt = Checkpoints(checkpoint_root / fingerprint, cfg.keep_checkpoints)
         history, resumed = [], ckpt.latest_step()
@@ -119,12 +154,13 @@ def train(
         log = MetricLog(out_dir, history, total_steps=cfg.steps, log_every=cfg.log_every)
         schedule = lr_schedule(cfg)
         start = int(state.step)
-        pending: tuple[int, dict] | None = None
-        tokens_per_step = cfg.batch_size * cfg.grad_accum * (train_rows.manifest["row_len"] - 1)
+        pending: tuple[int, dict, dict] | None = None
+        tokens_per_step = 0
         timer = StepTimer()
         last_val = None
+        host_before = False
 
-        def finish_step(step: int, metrics: dict) -> None:
+        def finish_step(step: int, metrics: dict, host: dict) -> None:
             loss = float(metrics["loss"])
             if not math.isfinite(loss):
                 kept = ckpt.latest_step()
@@ -138,6 +174,8 @@ def train(
                 "train/grad_norm": float(metrics["grad_norm"]),
                 "train/lr": float(schedule(step - 1)),
                 "train/tokens": float(metrics["tokens"]),
+                **{f"train/{k}": float(v) for k, v in metrics.items() if k not in ("loss", "grad_norm", "tokens")},
+                **host,
             }
             rate = timer.rate(tokens_per_step)
             if rate is not None:
@@ -145,12 +183,18 @@ def train(
             log.add(row)
 
         for step in range(start + 1, cfg.steps + 1):
-            batch = global_batch(next(data), cfg.grad_accum, mesh)
+            local, host = data.next(state.params, frozen)
+            rows, row_len = local["tokens"].shape
+            tokens_per_step = rows * (row_len - 1) * jax.process_count()
+            if host or host_before:
+                timer.pause()  # host-side work (rollouts) is not the train step's time
+            host_before = bool(host)
+            batch = global_batch(local, cfg.grad_accum, mesh)
             state, metrics = step_fn(state, frozen, batch)
             timer.tick(step == start + 1)
             if pending is not None:
                 finish_step(*pending)
-            pending = (step, metrics)
+            pending = (step, metrics, host)
             is_eval = step % cfg.eval_every == 0 or step == cfg.steps
             if is_eval or step % cfg.checkpoint_every == 0:
                 finish_step(*pending)

@@ -1,0 +1,194 @@
+"""GRPO: reinforcement learning with rewards a program computes (Shao et al., 2024, DeepSeekMath).
+
+Each rollout takes `prompts_per_step` prompts of the rl task set, samples
+`group_size` completions of each with the KV-cache engine, scores them with the task
+family's checker (1 for a correct answer, plus `format_weight` for a well-formed one)
+and normalises each reward within its group: advantage = (r − mean) / (std + 1e-6).
+The loss per completion token is the clipped importance-ratio objective of PPO plus
+a KL penalty to the frozen reference (the k3 estimator, exp(q − p) − (q − p) − 1 with
+p, q the policy's and the reference's log-probs), summed over completion tokens and
+divided by their count. `updates_per_rollout` optimizer steps reuse each rollout; the
+first of them is on-policy, so its ratio is exactly 1 (old log-probs are the current
+ones, gradient stopped) and the loss is the plain policy-gradient loss.
+
+`Rollouts` is the train loop's batch source: it samples with the current parameters
+and derives each rollout's sampling key and prompts from the seed and the rollout
+index, so a run resumed from a checkpoint draws exactly what an uninterrupted run would.
+"""
+
+import json
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from stagelm.config import GrpoConfig
+from stagelm.generate import Generator, Sampling
+from stagelm.tasks import check_answer
+from stagelm.tokenizer import chat_prompt_ids
+from stagelm.train import LossFn, next_token_targets
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """(prompts, group) rewards → advantages normalised within each group (0 where all agree)."""
+    mean = rewards.mean(axis=1, keepdims=True)
+    std = rewards.std(axis=1, keepdims=True)
+    return (rewards - mean) / (std + 1e-6)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    return -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+
+
+def grpo_loss(clip_eps: float, kl_coef: float) -> LossFn:
+    """The clipped-ratio loss with a KL penalty, over completion tokens; aux: kl, clip fraction, ratio."""
+
+    def loss(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple:
+        inputs, targets, _ = next_token_targets(batch)
+        logp = token_logprobs(model(inputs["tokens"], inputs["segment_ids"], inputs["positions"], rng), targets)
+        mask = batch["completion_mask"][:, 1:].astype(jnp.float32)
+        adv = batch["advantages"][:, 1:]
+        fresh = batch["on_policy"][:, 1:] > 0
+        old = jnp.where(fresh, jax.lax.stop_gradient(logp), batch["old_logp"][:, 1:])
+        ratio = jnp.exp(logp - old)
+        clipped = jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps)
+        policy = -jnp.minimum(ratio * adv, clipped * adv)
+        delta = batch["ref_logp"][:, 1:] - logp
+        kl = jnp.exp(delta) - delta - 1
+        per_token = policy + kl_coef * kl
+        was_clipped = (jnp.abs(ratio - 1) > clip_eps).astype(jnp.float32)
+        aux = {"kl": jnp.sum(kl * mask), "clip_fraction": jnp.sum(was_clipped * mask), "ratio": jnp.sum(ratio * mask)}
+        return jnp.sum(per_token * mask), jnp.sum(mask), aux
+
+    return loss
+
+
+def graded_length(tokens: list[int], stopped: bool, ends_answer: np.ndarray) -> int:
+    """Tokens of a completion that train: through the one that completes the graded answer.
+
+    The checker reads only the first sentence, so later tokens cannot change the reward;
+    leaving them out of the loss removes their noise without biasing the gradient. A
+    completion that never ends its answer trains on every token, its stop token included.
+    """
+    ends = np.flatnonzero(ends_answer[np.asarray(tokens, np.int64)]) if tokens else []
+    return int(ends[0]) + 1 if len(ends) else len(tokens) + stopped
+
+
+class Rollouts:
+    """Batches of scored rollouts of the current policy, for `trainloop.train(batches=...)`."""
+
+    def __init__(self, cfg: GrpoConfig, gen: Generator, graphdef: Any, tasks: list[dict], seed: int):
+        self.cfg, self.gen, self.graphdef, self.seed = cfg, gen, graphdef, seed
+        self.tasks = [t for t in tasks if t["family"] in cfg.families]
+        self.prompts = [chat_prompt_ids(gen.tokenizer, t["chat_prompt"]) for t in self.tasks]
+        self.specs = [json.loads(t["spec"]) for t in self.tasks]
+        # Tokens that complete the graded answer (its first sentence: up to a period or a newline).
+        vocab = gen.tokenizer.get_vocab_size()
+        self.ends_answer = np.array([any(c in gen.tokenizer.decode([i]) for c in ".\n") for i in range(vocab)])
+        # The reference: a copy of the starting policy (the train step donates the policy's buffers).
+        self.ref = jax.tree.map(jnp.copy, gen.params)
+        self.rollout = 0  # rollouts drawn so far
+        self.update = 0  # updates taken on the current rollout
+        self.batch: dict[str, np.ndarray] | None = None
+        self.ready_at: float | None = None
+        self._score = jax.jit(self._score_fn)
+
+    def _score_fn(self, params: Any, tokens: jax.Array, seg: jax.Array, pos: jax.Array) -> jax.Array:
+        """Log-prob of each token given the ones before it: (B, L), 0 in column 0."""
+        model = nnx.merge(self.gen.graphdef, params)
+        logits = model(tokens[:, :-1], seg[:, :-1], pos[:, :-1])
+        return jnp.pad(token_logprobs(logits, tokens[:, 1:]), ((0, 0), (1, 0)))
+
+    def prompt_indices(self, rollout: int) -> np.ndarray:
+        """The prompts of rollout `rollout`: consecutive slices of a seeded permutation per epoch."""
+        n, per = len(self.tasks), self.cfg.prompts_per_step
+        epochs = {}
+        out = []
+        for i in range(rollout * per, (rollout + 1) * per):
+            epoch, offset = divmod(i, n)
+            if epoch not in epochs:
+                epochs[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
+            out.append(epochs[epoch][offset])
+        return np.asarray(out)
+
+    def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        if self.update == 0 or self.batch is None:
+            host = self.draw(nnx.split(nnx.merge(self.graphdef, params, frozen))[1])
+        else:
+            self.batch["on_policy"] = np.zeros_like(self.batch["on_policy"])
+            host = {}
+        self.update = (self.update + 1) % self.cfg.updates_per_rollout
+        return dict(self.batch), host
+
+    def draw(self, policy: Any) -> dict[str, float]:
+        """Sample, score and lay out one rollout with the current policy; its host metrics."""
+        cfg, gen = self.cfg, self.gen
+        jax.block_until_ready(policy)
+        update_s = time.perf_counter() - self.ready_at if self.ready_at is not None else None
+        t0 = time.perf_counter()
+        chosen = self.prompt_indices(self.rollout)
+        prompts = [self.prompts[i] for i in chosen for _ in range(cfg.group_size)]
+        key = jax.random.fold_in(jax.random.key(self.seed), self.rollout)
+        sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p)
+        tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
+        stop = gen.stop_mask(chat=True, stop_at_newline=True)
+        out, _ = gen._loop(policy, tokens, seg, pos, stop, key, sampling.arrays(), max_new=cfg.max_new_tokens)
+        out = np.asarray(out)
+        rollout_s = time.perf_counter() - t0
+
+        rewards, correct, formed, lengths = [], [], [], []
+        for row, i in zip(out, np.repeat(chosen, cfg.group_size), strict=True):
+            completion = gen.completion(row, stop)
+            ok_form, ok = check_answer(self.tasks[i]["family"], self.specs[i], completion.text)
+            rewards.append(float(ok) + cfg.format_weight * float(ok_form))
+            correct.append(ok)
+            formed.append(ok_form)
+            lengths.append(graded_length(completion.tokens, completion.finish == "stop", self.ends_answer))
+        adv = group_advantages(np.asarray(rewards, np.float32).reshape(-1, cfg.group_size)).reshape(-1)
+
+        tokens, seg, pos = np.asarray(tokens), np.asarray(seg), np.asarray(pos)
+        width, new = tokens.shape[1], cfg.max_new_tokens
+        lengths = np.asarray(lengths)
+        gen_mask = (np.arange(new)[None] < lengths[:, None]).astype(np.int32)
+        full_tokens = np.concatenate([tokens, out * gen_mask], 1)
+        full_seg = np.concatenate([seg, np.ones_like(out)], 1)
+        full_pos = np.concatenate([pos, pos[:, -1:] + 1 + np.arange(new)[None]], 1)
+        batch = {
+            "tokens": full_tokens,
+            "segment_ids": full_seg,
+            "positions": full_pos,
+            "completion_mask": np.concatenate([np.zeros_like(tokens), gen_mask], 1),
+            "advantages": np.repeat(adv[:, None], width + new, 1).astype(np.float32),
+            "on_policy": np.ones(full_tokens.shape, np.float32),
+        }
+        args = (jnp.asarray(full_tokens), jnp.asarray(full_seg), jnp.asarray(full_pos))
+        batch["ref_logp"] = np.asarray(self._score(self.ref, *args))
+        batch["old_logp"] = (
+            np.asarray(self._score(policy, *args)) if cfg.updates_per_rollout > 1 else np.zeros_like(batch["ref_logp"])
+        )
+        self.batch = batch
+        self.rollout += 1
+        self.ready_at = time.perf_counter()
+        metrics = {
+            "rollout/reward": float(np.mean(rewards)),
+            "rollout/accuracy": float(np.mean(correct)),
+            "rollout/well_formed": float(np.mean(formed)),
+            "rollout/completion_tokens": float(np.mean(lengths)),
+            "rollout/mixed_groups": float(np.mean(np.ptp(np.reshape(rewards, (-1, cfg.group_size)), axis=1) > 0)),
+            "perf/rollout_tokens_per_sec": float(lengths.sum() / rollout_s),
+        }
+        if update_s is not None:
+            metrics["perf/update_seconds"] = update_s
+        return metrics
+
+    def get_state(self) -> dict[str, Any]:
+        return {"rollout": self.rollout, "update": self.update}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state["update"] != 0:
+            raise ValueError("a GRPO checkpoint must fall between rollouts")
+        self.rollout, self.update = state["rollout"], 0

@@ -1,0 +1,107 @@
+"""distill stage: a smaller student learns from the frozen SFT model (online distillation).
+
+    python stages/distill.py --params params.yaml --teacher runs/sft/model --corpus data/packed/train \
+        --sft data/packed/sft --val data/packed/val --out runs/distill --checkpoints runs/.checkpoints/distill
+
+The student has the shape `distill.student` (the teacher's tokenizer, RoPE and norms)
+and starts from scratch with `seed`. `distill.data` picks its rows: the packed corpus,
+the SFT conversations (assistant tokens only) or both. val/loss is the student's own
+next-token loss on the corpus val split.
+"""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from stagelm.checkpoint import stage_fingerprint
+from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.distill import STUDENT, Distiller, distill_loss, student_lm_loss
+from stagelm.errors import StagelmError, run_main
+from stagelm.files import sha256_file
+from stagelm.hardware import describe_devices
+from stagelm.loader import MixedRows, PackedRows
+from stagelm.model import Decoder, count_params
+from stagelm.modelio import load_model, read_model_config, read_model_context, save_model
+from stagelm.provenance import now, write_provenance
+from stagelm.sharding import make_mesh
+from stagelm.trainloop import train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    for flag in ("--teacher", "--corpus", "--sft", "--val", "--out", "--checkpoints"):
+        parser.add_argument(flag, required=True, type=Path)
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args()
+    started = now()
+    params = read_params(args.params)
+    cfg = load_section(params, "distill")
+    mesh_cfg = load_section(params, "mesh")
+    seed = load_seed(params)
+
+    teacher_cfg = read_model_config(args.teacher)
+    student = cfg.student
+    if student.vocab_size is not None and student.vocab_size != teacher_cfg.vocab_size:
+        raise StagelmError(
+            f"distill.student.vocab_size: {student.vocab_size} differs from the teacher's {teacher_cfg.vocab_size} "
+            f"({args.teacher}); the student shares the teacher's tokenizer, set it to null"
+        )
+    tokenizer = args.teacher / "tokenizer.json"
+    splits = {"corpus": [args.corpus], "sft": [args.sft], "both": [args.corpus, args.sft]}[cfg.data]
+    packed = [PackedRows(d) for d in splits]
+    for split_dir, rows in zip(splits, packed, strict=True):
+        if rows.manifest["tokenizer_sha256"] != sha256_file(tokenizer):
+            raise StagelmError(f"{split_dir}: packed with another tokenizer than {args.teacher}'s; rerun `dvc repro`")
+    rows, val_rows = MixedRows(packed), PackedRows(args.val)
+
+    read = {"distill": section_dict(cfg), "seed": seed}
+    inputs = {"teacher": args.teacher / "params", "val": args.val / "manifest.json"}
+    inputs.update({f"data_{i}": d / "manifest.json" for i, d in enumerate(splits)})
+    fp = stage_fingerprint(__file__, read, inputs)
+
+    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    shape = {k: v for k, v in section_dict(student).items() if k != "vocab_size"}
+    student_cfg = dataclasses.replace(teacher_cfg, **shape)
+    model = Distiller(Decoder(student_cfg, nnx.Rngs(seed)), load_model(args.teacher))
+    n_student, n_teacher = count_params(model.student), count_params(model.teacher)
+    print(
+        f"distill: student {n_student:,} params from teacher {n_teacher:,}; alpha {cfg.alpha}, "
+        f"T {cfg.temperature}, data {cfg.data}; fingerprint {fp}",
+        flush=True,
+    )
+    result = train(
+        model,
+        cfg.training(),
+        rows,
+        val_rows,
+        seed=seed,
+        mesh=mesh,
+        out_dir=args.out,
+        checkpoint_root=args.checkpoints,
+        fingerprint=fp,
+        trainable=STUDENT,
+        loss_fn=distill_loss(cfg.alpha, cfg.temperature),
+        eval_loss_fn=student_lm_loss,
+    )
+    final = result.model.student
+    extra = {"params_count": n_student, "context_len": read_model_context(args.teacher), "teacher": str(args.teacher)}
+    save_model(args.out / "model", final, tokenizer, extra)
+    if jax.process_index() == 0:
+        extra = {
+            "fingerprint": fp,
+            "resumed_from": result.resumed_from,
+            "devices": describe_devices(),
+            "summary": result.summary,
+            "student_params": n_student,
+            "teacher_params": n_teacher,
+        }
+        write_provenance(args.out / "provenance.json", "distill", read, inputs, started, extra)
+    s = result.summary
+    print(f"distill: done at step {s['step']}: train loss {s['train_loss']:.4f}, student val loss {s['val_loss']:.4f}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,106 @@
+"""grpo stage: reinforcement learning of the SFT model on rewards a program computes.
+
+    python stages/grpo.py --params params.yaml --model runs/sft/model --raw data/raw --val data/packed/val \
+        --out runs/grpo --checkpoints runs/.checkpoints/grpo
+
+The policy starts from `--model` and the reference is a frozen copy of it. Prompts
+are the rl task set's, in chat format, of the families in `grpo.families`; the
+rewards are the families' checkers (see stagelm.grpo). val/loss is the policy's
+next-token loss on the corpus val split: what RL costs the language model.
+"""
+
+import argparse
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from stagelm.checkpoint import stage_fingerprint
+from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.errors import StagelmError, run_main
+from stagelm.files import sha256_file
+from stagelm.generate import Generator
+from stagelm.grpo import Rollouts, grpo_loss
+from stagelm.hardware import describe_devices
+from stagelm.loader import PackedRows
+from stagelm.model import count_params
+from stagelm.modelio import load_model, read_model_context, save_model
+from stagelm.provenance import now, write_provenance
+from stagelm.rawdata import read_raw
+from stagelm.sharding import make_mesh
+from stagelm.tokenizer import load_tokenizer
+from stagelm.train import lm_loss
+from stagelm.trainloop import train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    for flag in ("--model", "--raw", "--val", "--out", "--checkpoints"):
+        parser.add_argument(flag, required=True, type=Path)
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args()
+    started = now()
+    params = read_params(args.params)
+    cfg = load_section(params, "grpo")
+    mesh_cfg = load_section(params, "mesh")
+    seed = load_seed(params)
+
+    tokenizer_file = args.model / "tokenizer.json"
+    val_rows = PackedRows(args.val)
+    if val_rows.manifest["tokenizer_sha256"] != sha256_file(tokenizer_file):
+        raise StagelmError(f"{args.val}: packed with another tokenizer than {args.model}'s; rerun `dvc repro`")
+    tasks = read_raw(args.raw, "rl").to_pylist()
+    if not any(t["family"] in cfg.families for t in tasks):
+        found = sorted({t["family"] for t in tasks})
+        raise StagelmError(f"grpo.families: {list(cfg.families)} has no prompt in {args.raw}'s rl set (it has {found})")
+
+    read = {"grpo": section_dict(cfg), "seed": seed}
+    inputs = {"model": args.model / "params", "rl": args.raw / "manifest.json", "val": args.val / "manifest.json"}
+    fp = stage_fingerprint(__file__, read, inputs)
+
+    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    model = load_model(args.model, mesh)  # sharded like training: rollouts run on the same mesh
+    context = read_model_context(args.model)
+    gen = Generator(model, load_tokenizer(tokenizer_file), context)
+    rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed)
+    longest = max(len(p) for p in rollouts.prompts)
+    if longest + cfg.max_new_tokens > context:
+        raise StagelmError(
+            f"grpo.max_new_tokens: {cfg.max_new_tokens} plus the longest rl prompt ({longest} tokens) "
+            f"exceed the model's context of {context}; lower it"
+        )
+    print(
+        f"grpo: {count_params(model):,} params; {len(rollouts.tasks)} rl prompts of {list(cfg.families)}, "
+        f"{cfg.prompts_per_step}×{cfg.group_size} samples per rollout; fingerprint {fp}",
+        flush=True,
+    )
+    result = train(
+        model,
+        cfg.training(),
+        None,
+        val_rows,
+        seed=seed,
+        mesh=mesh,
+        out_dir=args.out,
+        checkpoint_root=args.checkpoints,
+        fingerprint=fp,
+        loss_fn=grpo_loss(cfg.clip_eps, cfg.kl_coef),
+        eval_loss_fn=lm_loss,
+        batches=rollouts,
+    )
+    extra = {"params_count": count_params(result.model), "context_len": context}
+    save_model(args.out / "model", result.model, tokenizer_file, extra)
+    if jax.process_index() == 0:
+        extra = {
+            "fingerprint": fp,
+            "resumed_from": result.resumed_from,
+            "devices": describe_devices(),
+            "summary": result.summary,
+        }
+        write_provenance(args.out / "provenance.json", "grpo", read, inputs, started, extra)
+    rewards = [r["rollout/reward"] for r in result.history if "rollout/reward" in r]
+    print(f"grpo: done at step {result.summary['step']}: reward {rewards[0]:.3f} → {rewards[-1]:.3f}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,181 @@
+"""Distillation: alpha = 0 is the CE loss, the KL term vanishes on identical logits, the loss falls, the stage."""
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
+from flax import nnx
+
+from stagelm.config import load_section
+from stagelm.distill import STUDENT, Distiller, distill_loss, soft_kl
+from stagelm.files import read_json
+from stagelm.loader import MixedRows, PackedRows, batch_iterator
+from stagelm.model import Decoder, DecoderConfig
+from stagelm.modelio import load_model
+from stagelm.train import init_state, lm_loss, make_optimizer, make_train_step
+
+TEACHER = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+STUDENT_CFG = DecoderConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+
+
+def batch_of(micro_data, split="packed/sft", rows=4):
+    data = PackedRows(micro_data / split)
+    return {k: jnp.asarray(np.stack([data[i][k] for i in range(rows)])) for k in data.columns}
+
+
+def test_alpha_zero_is_exactly_the_ce_loss(micro_data):
+    model = Distiller(Decoder(STUDENT_CFG, nnx.Rngs(0)), Decoder(TEACHER, nnx.Rngs(1)))
+    batch = batch_of(micro_data)
+    loss, weight, aux = distill_loss(0.0, 2.0)(model, batch, None)
+    ce, ce_weight = lm_loss(model.student, batch, None)
+    assert float(weight) == float(ce_weight) > 0
+    assert float(loss) == float(ce)  # bit for bit
+    assert float(aux["kl"]) > 0  # the teacher differs; only its weight is zero
+
+
+def test_kl_and_its_gradient_vanish_when_the_student_is_the_teacher(micro_data):
+    teacher = Decoder(TEACHER, nnx.Rngs(1))
+    twin = Decoder(TEACHER, nnx.Rngs(1))  # the same weights, trained as the student
+    model = Distiller(twin, teacher)
+    batch = batch_of(micro_data)
+    graphdef, params, frozen = nnx.split(model, STUDENT, ...)
+
+    def soft_only(p):
+        loss, weight, _ = distill_loss(1.0, 3.0)(nnx.merge(graphdef, p, frozen), batch, None)
+        return loss / weight
+
+    value, grads = jax.value_and_grad(soft_only)(params)
+    assert abs(float(value)) < 1e-6
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) < 1e-6
+    # and it is a real KL: positive for different logits, zero only at equality
+    a, b = jax.random.normal(jax.random.key(0), (2, 5, 7))
+    assert float(soft_kl(a, a, 2.0).max()) < 1e-6 and float(soft_kl(a, b, 2.0).min()) > 0
+
+
+def run_steps(model, trainable, loss_fn, rows, steps=30):
+    """Train `trainable` of `model` for `steps` steps at lr 1e-2: (trained model, optimizer state, metrics per step)."""
+    graphdef, params, frozen = nnx.split(model, trainable, ...)
+    cfg = dataclasses.replace(load_section(micro_params(), "distill").training(), lr=1e-2, steps=steps)
+    tx = make_optimizer(cfg, params)
+    state = init_state(params, tx, jax.random.key(0))
+    step = make_train_step(graphdef, tx, loss_fn)
+    it = batch_iterator(rows, 8, 0)
+    history = []
+    for _ in range(steps):
+        state, m = step(state, frozen, {k: v[None] for k, v in next(it).items()})
+        history.append({k: float(v) for k, v in m.items()})
+    return nnx.merge(graphdef, state.params, frozen), state, history
+
+
+def test_distillation_loss_falls_and_only_the_student_trains(micro_data):
+    rows = MixedRows([PackedRows(micro_data / "packed/train"), PackedRows(micro_data / "packed/sft")])
+    teacher, _, _ = run_steps(Decoder(TEACHER, nnx.Rngs(1)), nnx.Param, lm_loss, rows, steps=40)
+    before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(teacher, nnx.Param)))
+    model = Distiller(Decoder(STUDENT_CFG, nnx.Rngs(0)), teacher)
+    trained, state, history = run_steps(model, STUDENT, distill_loss(0.5, 2.0), rows)
+    losses, kls = [h["loss"] for h in history], [h["kl"] for h in history]
+    assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:5])
+    assert np.mean(kls[-5:]) < 0.8 * np.mean(kls[:5])
+    adam = state.opt_state[1][0]
+    assert sum(x.size for x in jax.tree.leaves(adam.mu)) == sum(x.size for x in jax.tree.leaves(state.params))
+    assert sum(x.size for x in jax.tree.leaves(state.params)) == sum(
+        x.size for x in jax.tree.leaves(nnx.state(trained.student, nnx.Param))
+    )
+    after = nnx.to_pure_dict(nnx.state(trained.teacher, nnx.Param))
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_mixed_rows_gives_the_corpus_a_full_loss_mask(micro_data):
+    corpus, sft = PackedRows(micro_data / "packed/train"), PackedRows(micro_data / "packed/sft")
+    mixed = MixedRows([corpus, sft])
+    assert len(mixed) == len(corpus) + len(sft)
+    first, last = mixed[0], mixed[len(mixed) - 1]
+    np.testing.assert_array_equal(first["tokens"], corpus[0]["tokens"])
+    assert first["loss_mask"].all()
+    np.testing.assert_array_equal(last["loss_mask"], sft[len(sft) - 1]["loss_mask"])
+
+
+# --- the stage, as a process -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def teacher(micro_data, tmp_path_factory):
+    """A micro SFT-stage-shaped teacher: a micro model trained by the pretrain stage."""
+    work = tmp_path_factory.mktemp("teacher")
+    write_params(work / "params.yaml", micro_params())
+    py = sys.executable
+    run(
+        [py, str(ROOT / "stages/pretrain.py"), "--params", "params.yaml"]
+        + ["--train", str(micro_data / "packed/train"), "--val", str(micro_data / "packed/val")]
+        + ["--tokenizer", str(micro_data / "tokenizer/tokenizer.json"), "--out", "out", "--checkpoints", "ckpt"],
+        work,
+    )
+    return work / "out/model"
+
+
+def distill_command(micro_data, teacher, work):
+    return [
+        sys.executable,
+        str(ROOT / "stages/distill.py"),
+        "--params",
+        str(work / "params.yaml"),
+        "--teacher",
+        str(teacher),
+        "--corpus",
+        str(micro_data / "packed/train"),
+        "--sft",
+        str(micro_data / "packed/sft"),
+        "--val",
+        str(micro_data / "packed/val"),
+        "--out",
+        str(work / "out"),
+        "--checkpoints",
+        str(work / "ckpt"),
+    ]
+
+
+@pytest.mark.slow
+def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, teacher, tmp_path):
+    long = {"steps": 60, "checkpoint_every": 10, "eval_every": 30, "log_every": 10}
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    for work in (killed, whole):
+        work.mkdir()
+        write_params(work / "params.yaml", micro_params(distill=long))
+    first = run(distill_command(micro_data, teacher, whole), whole)
+    assert "distill: student" in first.stdout
+    kill_after_first_checkpoint(distill_command(micro_data, teacher, killed), killed, killed / "ckpt")
+    resumed = run(distill_command(micro_data, teacher, killed), killed)
+    assert "resuming from step" in resumed.stdout
+    a, b = load_model(killed / "out/model"), load_model(whole / "out/model")
+    assert a.cfg.d_model == micro_params()["distill"]["student"]["d_model"]
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(x, y)
+    done, reference = read_json(killed / "out/metrics.json"), read_json(whole / "out/metrics.json")
+    assert (done["train_loss"], done["val_loss"]) == (reference["train_loss"], reference["val_loss"])
+    assert read_json(whole / "out/provenance.json")["stage"] == "distill"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"alpha": 1.5}, "distill.alpha: expected a float in [0, 1], got 1.5"),
+        ({"temperature": 0}, "distill.temperature: expected a positive float, got 0"),
+        (
+            {"student": {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 32, "vocab_size": 999}},
+            "distill.student.vocab_size: 999 differs from the teacher's",
+        ),
+    ],
+)
+def test_distill_bad_params_fail_in_one_line(micro_data, teacher, tmp_path, change, message):
+    write_params(tmp_path / "params.yaml", micro_params(distill=change))
+    result = run(distill_command(micro_data, teacher, tmp_path), tmp_path, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert message in line
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,196 @@
+"""GRPO: advantages and the clipped loss on hand-computed cases, on-policy ≡ policy gradient, the stage."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
+from flax import nnx
+
+from stagelm.files import read_json
+from stagelm.grpo import graded_length, group_advantages, grpo_loss, token_logprobs
+from stagelm.model import Decoder, DecoderConfig
+from stagelm.modelio import load_model
+from stagelm.train import next_token_targets
+
+CFG = DecoderConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+
+
+def test_group_advantages_by_hand():
+    rewards = np.array([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 0.0, 2.0]])
+    adv = group_advantages(rewards)
+    std = np.sqrt(0.1875)  # rewards 1,0,0,0: mean 0.25, variance 0.75·0.25
+    np.testing.assert_allclose(adv[0], [0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std], rtol=1e-5)
+    np.testing.assert_array_equal(adv[1], 0.0)  # a group that agrees teaches nothing
+    np.testing.assert_allclose(adv[2], [-1, 1, -1, 1], rtol=1e-5)
+
+
+def test_graded_length_stops_at_the_end_of_the_answer():
+    ends = np.zeros(10, bool)
+    ends[7] = True  # say token 7 is "."
+    assert graded_length([3, 4, 7, 5, 5], stopped=False, ends_answer=ends) == 3
+    assert graded_length([3, 4, 5], stopped=True, ends_answer=ends) == 4  # the stop token trains too
+    assert graded_length([3, 4, 5], stopped=False, ends_answer=ends) == 3
+
+
+def rollout_batch(model, old_shift: float = 0.0):
+    """Two rows of 6 tokens: a 3-token prompt and a 3-token completion (the last row's last token masked)."""
+    tokens = jnp.array([[1, 5, 6, 7, 8, 9], [1, 5, 6, 10, 11, 12]])
+    seg, pos = jnp.ones_like(tokens), jnp.broadcast_to(jnp.arange(6), tokens.shape)
+    mask = jnp.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 0]])
+    batch = {"tokens": tokens, "segment_ids": seg, "positions": pos, "completion_mask": mask}
+    inputs, targets, _ = next_token_targets(batch)
+    logp = token_logprobs(model(inputs["tokens"], inputs["segment_ids"], inputs["positions"]), targets)
+    logp = jnp.pad(logp, ((0, 0), (1, 0)))
+    adv = jnp.array([[1.5] * 6, [-0.5] * 6])
+    batch.update(advantages=adv, ref_logp=logp - 0.1, old_logp=logp - old_shift)
+    return batch, logp
+
+
+def test_on_policy_update_is_exactly_the_policy_gradient():
+    model = Decoder(CFG, nnx.Rngs(0))
+    batch, logp = rollout_batch(model)
+    batch["on_policy"] = jnp.ones_like(batch["advantages"])
+    graphdef, params = nnx.split(model)
+    mask, adv = batch["completion_mask"][:, 1:], batch["advantages"][:, 1:]
+
+    def grpo(p):
+        loss, weight, aux = grpo_loss(0.2, 0.0)(nnx.merge(graphdef, p), batch, None)
+        return loss / weight, aux
+
+    def reinforce(p):  # the plain policy-gradient surrogate: -mean over completion tokens of A·log π
+        inputs, targets, _ = next_token_targets(batch)
+        m = nnx.merge(graphdef, p)
+        lp = token_logprobs(m(inputs["tokens"], inputs["segment_ids"], inputs["positions"]), targets)
+        return -jnp.sum(adv * lp * mask) / jnp.sum(mask)
+
+    (value, aux), grads = jax.value_and_grad(grpo, has_aux=True)(params)
+    assert float(aux["ratio"]) == float(jnp.sum(mask))  # every ratio is exactly 1
+    assert float(aux["clip_fraction"]) == 0.0
+    np.testing.assert_allclose(float(value), float(-jnp.sum(adv * mask) / jnp.sum(mask)), rtol=1e-6)
+    expected = jax.grad(reinforce)(params)
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-7, rtol=1e-5)
+
+
+def test_clipping_and_kl_by_hand():
+    model = Decoder(CFG, nnx.Rngs(0))
+    shift = float(np.log(1.5))  # old log-probs lower by log 1.5: every ratio is 1.5
+    batch, logp = rollout_batch(model, old_shift=shift)
+    batch["on_policy"] = jnp.zeros_like(batch["advantages"])
+    loss, weight, aux = grpo_loss(0.2, 0.5)(model, batch, None)
+    # row 0 (A = 1.5 > 0): clipped to 1.2·A; row 1 (A = -0.5 < 0): the pessimistic min keeps 1.5·A
+    kl = np.exp(-0.1) + 0.1 - 1  # ref = logp - 0.1: k3 = exp(-0.1) - (-0.1) - 1 per token
+    expected = 3 * (-1.2 * 1.5 + 0.5 * kl) + 2 * (-1.5 * -0.5 + 0.5 * kl)
+    assert float(weight) == 5
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(aux["clip_fraction"]), 5, rtol=1e-6)
+    np.testing.assert_allclose(float(aux["kl"]), 5 * kl, rtol=1e-4)
+
+
+# --- the stage, as a process -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy(micro_data, tmp_path_factory):
+    """A micro model trained by the pretrain stage then the SFT stage (full fine-tuning)."""
+    work = tmp_path_factory.mktemp("policy")
+    write_params(work / "params.yaml", micro_params(training={"steps": 40}, sft={"method": "full", "steps": 40}))
+    py = sys.executable
+    run(
+        [py, str(ROOT / "stages/pretrain.py"), "--params", "params.yaml"]
+        + ["--train", str(micro_data / "packed/train"), "--val", str(micro_data / "packed/val")]
+        + ["--tokenizer", str(micro_data / "tokenizer/tokenizer.json"), "--out", "pre", "--checkpoints", "ck"],
+        work,
+    )
+    run(
+        [py, str(ROOT / "stages/sft.py"), "--params", "params.yaml", "--model", "pre/model"]
+        + ["--train", str(micro_data / "packed/sft"), "--val", str(micro_data / "packed/val")]
+        + ["--out", "sft", "--checkpoints", "ck_sft"],
+        work,
+    )
+    return work / "sft/model"
+
+
+def grpo_command(micro_data, model, work):
+    return [
+        sys.executable,
+        str(ROOT / "stages/grpo.py"),
+        "--params",
+        str(work / "params.yaml"),
+        "--model",
+        str(model),
+        "--raw",
+        str(micro_data / "raw"),
+        "--val",
+        str(micro_data / "packed/val"),
+        "--out",
+        str(work / "out"),
+        "--checkpoints",
+        str(work / "ckpt"),
+    ]
+
+
+def rewards_of(work):
+    rows = (work / "out/plots/metrics/rollout/reward.tsv").read_text().strip().splitlines()[1:]
+    return [float(r.split("\t")[1]) for r in rows]
+
+
+@pytest.mark.slow
+def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
+    """A reward the micro policy can earn more of: well-formed answers (format reward only)."""
+    change = {
+        "families": ["uses_word"],
+        "format_weight": 1.0,
+        "steps": 40,
+        "eval_every": 40,
+        "checkpoint_every": 40,
+        "lr": 3e-4,
+        "updates_per_rollout": 1,
+        "kl_coef": 0.0,
+    }
+    write_params(tmp_path / "params.yaml", micro_params(grpo=change))
+    run(grpo_command(micro_data, policy, tmp_path), tmp_path)
+    rewards = rewards_of(tmp_path)
+    assert len(rewards) == 40
+    assert np.mean(rewards[-8:]) > np.mean(rewards[:8]) + 0.1, rewards
+
+
+@pytest.mark.slow
+def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path):
+    change = {"steps": 12, "eval_every": 12, "checkpoint_every": 2, "updates_per_rollout": 2, "kl_coef": 0.05}
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    for work in (killed, whole):
+        work.mkdir()
+        write_params(work / "params.yaml", micro_params(grpo=change))
+    run(grpo_command(micro_data, policy, whole), whole)
+    kill_after_first_checkpoint(grpo_command(micro_data, policy, killed), killed, killed / "ckpt")
+    resumed = run(grpo_command(micro_data, policy, killed), killed)
+    assert "resuming from step" in resumed.stdout
+    a, b = load_model(killed / "out/model"), load_model(whole / "out/model")
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert rewards_of(killed) == rewards_of(whole)
+    assert read_json(whole / "out/provenance.json")["stage"] == "grpo"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"group_size": 1}, "grpo.group_size: expected an int >= 2"),
+        ({"temperature": 0.0}, "grpo.temperature: expected a positive float, got 0.0"),
+        ({"families": ["poetry"]}, "grpo.families: unknown ['poetry']"),
+        ({"checkpoint_every": 3, "updates_per_rollout": 2}, "grpo.checkpoint_every: 3 is not a multiple"),
+        ({"max_new_tokens": 500}, "grpo.max_new_tokens: 500 plus the longest rl prompt"),
+    ],
+)
+def test_grpo_bad_params_fail_in_one_line(micro_data, policy, tmp_path, change, message):
+    write_params(tmp_path / "params.yaml", micro_params(grpo=change))
+    result = run(grpo_command(micro_data, policy, tmp_path), tmp_path, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert message in line
+    assert not (tmp_path / "out").exists()
