@@ -104,6 +104,29 @@ def grpo_claims(params: dict) -> None:
     claim(len(rows) == rollouts, f"grpo: {len(rows)} rollouts' rewards logged (steps / updates_per_rollout)")
 
 
+def benchmark_claims() -> None:
+    m = load("runs/benchmark/metrics.json")
+    keys = [
+        "train.tokens_per_sec",
+        "train.first_call_seconds",
+        "train.mfu",
+        "decode.cached_b1.tokens_per_sec",
+        "decode.cached_b8.tokens_per_sec",
+        "decode.naive_b1.tokens_per_sec",
+        "loader.tokens_per_sec",
+    ]
+    for key in keys:
+        value = m
+        for part in key.split("."):
+            value = value.get(part, {}) if isinstance(value, dict) else None
+        claim(isinstance(value, float) and value > 0, f"benchmark: {key} is measured ({value})")
+    for b in (1, 8):
+        speedup = m["decode"][f"speedup_b{b}"]
+        claim(speedup >= 5, f"benchmark: cached decode is {speedup:.1f}x naive recomputation at batch {b} (>= 5x)")
+    margin = m["loader"]["margin_over_train"]
+    claim(margin >= 10, f"benchmark: the loader delivers {margin:,.0f}x the tokens a train step consumes (>= 10x)")
+
+
 def main() -> None:
     params = yaml.safe_load(Path("params.yaml").read_text())
     data_claims(params)
@@ -112,6 +135,7 @@ def main() -> None:
     sft_claims()
     distill_claims(params)
     grpo_claims(params)
+    benchmark_claims()
     if FAILED:
         print(f"{len(FAILED)} claim(s) failed", file=sys.stderr)
         sys.exit(1)

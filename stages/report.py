@@ -1,13 +1,14 @@
 """report stage: one Markdown page with every model's metrics, curves, samples and lineage.
 
-python stages/report.py --runs runs --models pretrain --out runs/report.md --figures runs/report
+python stages/report.py --runs runs --models pretrain,sft --out runs/report.md --figures runs/report \
+    --benchmark runs/benchmark/metrics.json
 """
 
 import argparse
 from pathlib import Path
 
 from stagelm.errors import StagelmError, run_main
-from stagelm.files import atomic_write_bytes
+from stagelm.files import atomic_write_bytes, read_json
 from stagelm.report import render
 
 
@@ -17,12 +18,18 @@ def main() -> None:
     parser.add_argument("--models", required=True, help="comma-separated model stages, in pipeline order")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--figures", required=True, type=Path)
+    parser.add_argument("--benchmark", type=Path, help="the benchmark stage's metrics.json")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     for name in models:
         if not (args.runs / "eval" / name / "metrics.json").is_file():
             raise StagelmError(f"{args.runs / 'eval' / name / 'metrics.json'}: missing; run `dvc repro eval@{name}`")
-    atomic_write_bytes(args.out, render(args.runs, models, args.figures, args.out).encode())
+    benchmark = None
+    if args.benchmark is not None:
+        if not args.benchmark.is_file():
+            raise StagelmError(f"{args.benchmark}: missing; run `dvc repro benchmark`")
+        benchmark = read_json(args.benchmark)
+    atomic_write_bytes(args.out, render(args.runs, models, args.figures, args.out, benchmark).encode())
     print(f"report: {args.out} ({len(models)} models)")
 
 

@@ -69,6 +69,8 @@ def test_full_repro_produced_every_artifact(project):
     assert "| pretrain |" in report and "![pretrain loss](report/pretrain_loss.png)" in report
     assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
     assert (project / "runs/report/grpo_reward.png").is_file()
+    bench = read_json(project / "runs/benchmark/metrics.json")
+    assert len(bench["commit"]) == 40 and "| train.tokens_per_sec |" in report
     assert run(["git", "diff", "--exit-code", "dvc.yaml"], project, check=False).returncode == 0  # nothing rewrote it
 
 
@@ -88,6 +90,10 @@ def test_eval_and_sample_params_rerun_only_their_stages(project):
     params = micro_params(sample={"temperature": 0.7}, eval={"max_examples": 20})
     write_params(project / "params.yaml", params)
     assert repro_ran(project) == {f"eval@{m}" for m in MODELS} | {"report"}
+    params["benchmark"] = {**params["benchmark"], "repetitions": 11}
+    write_params(project / "params.yaml", params)
+    assert set(status(project)) == {"benchmark"}
+    assert repro_ran(project) == {"benchmark", "report"}
 
 
 def test_generate_cli_streams_from_a_stage_model(project):
@@ -109,7 +115,9 @@ def test_params_change_reruns_only_downstream(project):
     params = micro_params(tokenizer={"vocab_size": 290})
     write_params(project / "params.yaml", params)
     assert set(status(project)) == {"tokenizer"}
-    downstream = {"sft", "distill", "grpo", "report"} | {f"{kind}@{m}" for kind in ("eval", "sample") for m in MODELS}
+    downstream = {"sft", "distill", "grpo", "benchmark", "report"} | {
+        f"{kind}@{m}" for kind in ("eval", "sample") for m in MODELS
+    }
     assert repro_ran(project) == {"tokenizer", "pack", "pretrain"} | downstream
     params["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}
     params["training"]["log_every"] = 5

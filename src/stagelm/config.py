@@ -298,6 +298,29 @@ class GrpoConfig:
         return own_training(self, batch_size=rows, grad_accum=1, decay_fraction=0.2, decay_embeddings=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class BenchmarkConfig:
+    """The shape the benchmark stage times (random weights and tokens) and how often."""
+
+    vocab_size: int = checked(POSITIVE)
+    d_model: int = checked(POSITIVE)
+    n_layers: int = checked(POSITIVE)
+    n_heads: int = checked(POSITIVE)
+    n_kv_heads: int = checked(POSITIVE)
+    d_ff: int = checked(POSITIVE)
+    seq_len: int = checked(POSITIVE)
+    batch_size: int = checked(POSITIVE)
+    dtype: str = checked(one_of("float32", "bfloat16", "float16"))
+    prompt_len: int = checked(POSITIVE)  # decode: prompt tokens per row
+    new_tokens: int = checked(POSITIVE)  # decode: tokens generated per row
+    matmul_size: int = checked(POSITIVE)  # the (n, n) @ (n, n) matmul whose FLOP/s is the practical peak
+    warmup: int = checked(NON_NEGATIVE)
+    repetitions: int = checked((lambda v: v >= 10, "an {type} >= 10 (min / median / max need samples)"))
+
+    def __post_init__(self) -> None:
+        check_heads(self, "benchmark")
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "tokenizer": TokenizerConfig,
@@ -310,6 +333,7 @@ SECTIONS: dict[str, type] = {
     "sft": SftConfig,
     "distill": DistillConfig,
     "grpo": GrpoConfig,
+    "benchmark": BenchmarkConfig,
 }
 
 # Keys that tune how a stage runs, not what it computes: never DVC params, never hashed

@@ -56,6 +56,19 @@ def loss_curve(
     plt.close(fig)
 
 
+def flat_numbers(tree: dict, prefix: str = "", skip: tuple = ()) -> list[tuple[str, float]]:
+    """(dotted key, value) of every number in a nested dict, in order, leaving out the `skip` keys."""
+    out = []
+    for key, value in tree.items():
+        if key in skip:
+            continue
+        if isinstance(value, dict):
+            out += flat_numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
 def params_hash(params: dict) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -125,8 +138,20 @@ def render(runs: Path, models: list[str], figures: Path, report_path: Path, benc
     ]
     out += ["## Models", "", *model_table(summaries), "", "### Accuracy per task family", "", *family_table(summaries)]
     if benchmark:
-        out += ["", "## Benchmark", "", "| measure | median |", "|---|---|"]
-        out += [f"| {k} | {v:,.2f} |" for k, v in benchmark.items() if isinstance(v, int | float)]
+        env = benchmark.get("environment", {})
+        out += [
+            "",
+            "## Benchmark",
+            "",
+            f"On {env.get('device_count')}× {env.get('device_kind')} ({env.get('cpu')}), "
+            "medians of the benchmark stage (random weights, its own shape):",
+            "",
+        ]
+        out += ["| measure | median |", "|---|---|"]
+        out += [
+            f"| {k} | {v:,.4g} |"
+            for k, v in flat_numbers(benchmark, skip=("summaries", "environment", "schema_version"))
+        ]
     out += ["", "## Training curves", ""]
     for m in summaries:
         png = figures / f"{m['name']}_loss.png"

@@ -1,0 +1,87 @@
+"""The benchmark stage: stable keys, raw samples, summaries, and bad params."""
+
+import json
+import sys
+
+import pytest
+from conftest import ROOT, micro_params, run, write_params
+
+from stagelm.benchmark import summary, timed
+
+KEYS = [
+    ("train", "tokens_per_sec"),
+    ("train", "first_call_seconds"),
+    ("train", "mfu"),
+    ("decode", "cached_b1", "tokens_per_sec"),
+    ("decode", "cached_b8", "tokens_per_sec"),
+    ("decode", "naive_b1", "tokens_per_sec"),
+    ("loader", "tokens_per_sec"),
+]
+
+
+def test_summary_has_no_p99_below_20_samples():
+    assert set(summary([3.0, 1.0, 2.0])) == {"min", "median", "max", "n"}
+    assert summary([3.0, 1.0, 2.0])["median"] == 2.0
+    assert "p99" in summary([float(i) for i in range(20)])
+
+
+def test_timed_runs_warmup_then_repetitions():
+    calls = []
+    samples = timed(lambda: calls.append(1), warmup=2, reps=5)
+    assert len(calls) == 7 and len(samples) == 5 and all(s >= 0 for s in samples)
+
+
+def benchmark_command(micro_data, work):
+    return [
+        sys.executable,
+        str(ROOT / "stages/benchmark.py"),
+        "--params",
+        str(work / "params.yaml"),
+        "--packed",
+        str(micro_data / "packed/train"),
+        "--out",
+        str(work / "out"),
+    ]
+
+
+@pytest.mark.slow
+def test_benchmark_stage_writes_stable_keys_and_raw_samples(micro_data, tmp_path):
+    params = micro_params()
+    write_params(tmp_path / "params.yaml", params)
+    out = run(benchmark_command(micro_data, tmp_path), tmp_path)
+    assert out.stdout.startswith("benchmark: train ")
+    metrics = json.loads((tmp_path / "out/metrics.json").read_text())
+    assert metrics["schema_version"] == 1
+    for path in KEYS:
+        value = metrics
+        for key in path:
+            value = value[key]
+        assert isinstance(value, float) and value > 0, path
+    assert 0 < metrics["train"]["mfu"] < 1.5  # against a matmul measured in the same run
+    env = metrics["environment"]
+    assert env["backend"] == "cpu" and env["device_count"] >= 1 and env["jax"] and env["threads"] >= 1
+    assert "commit" in metrics  # None here: the work dir is no git checkout (the pipeline test has one)
+    reps = params["benchmark"]["repetitions"]
+    samples = [json.loads(line) for line in (tmp_path / "out/samples.jsonl").read_text().splitlines()]
+    by_measure = {}
+    for s in samples:
+        by_measure.setdefault(s["measure"], []).append(s["value"])
+    assert all(len(v) == reps for v in by_measure.values())
+    steps = sorted(by_measure["train.step_seconds"])
+    assert metrics["summaries"]["train.step_seconds"]["median"] == pytest.approx((steps[4] + steps[5]) / 2)
+    assert metrics["summaries"]["train.step_seconds"]["min"] == steps[0]
+    assert "p99" not in metrics["summaries"]["train.step_seconds"]  # 10 samples: no p99
+    assert metrics["decode"]["speedup_b1"] > 1  # the cache beats recomputing the prefix
+    loader = metrics["loader"]
+    assert loader["margin_over_train"] == pytest.approx(loader["tokens_per_sec"] / metrics["train"]["tokens_per_sec"])
+    assert metrics["memory"]["host_peak_rss_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_benchmark_bad_params_fail_in_one_line(micro_data, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params(benchmark={"repetitions": 3}))
+    result = run(benchmark_command(micro_data, tmp_path), tmp_path, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "benchmark.repetitions: expected an int >= 10" in line
+    assert not (tmp_path / "out").exists()
