@@ -18,7 +18,7 @@ repro: setup
 	dvc repro
 
 test: setup
-	pytest -q
+	pytest -q --durations=15
 
 lint: setup
 	ruff check . && ruff format --check .

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import copy
+import runpy
 import shutil
 import signal
 import subprocess
@@ -134,6 +135,26 @@ def kill_after_first_checkpoint(cmd: list[str], cwd: Path, checkpoints: Path) ->
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
 
 
+def run_in_process(cmd: list[str], capsys) -> tuple[int, str]:
+    """Run a stage command (`python stages/x.py ...`) inside this process: (exit code, stderr).
+
+    For failures that happen before any compute (bad params, bad inputs): it skips the
+    interpreter start-up and imports a subprocess pays, and checks the same exit code
+    and message.
+    """
+    script, args = cmd[1], cmd[2:]
+    saved = sys.argv
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        sys.argv = saved
+    return code, capsys.readouterr().err
+
+
 def make_project(dest: Path, params: dict) -> Path:
     """A git + DVC copy of the project's tracked files at `dest`, with `params` as params.yaml."""
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
@@ -193,3 +214,30 @@ def micro_data(tmp_path_factory) -> Path:
         root,
     )
     return root / "data"
+
+
+@pytest.fixture(scope="session")
+def pretrained(micro_data, tmp_path_factory):
+    """A micro model trained by the real pretrain stage (the SFT base and the distillation teacher)."""
+    work = tmp_path_factory.mktemp("pretrained")
+    write_params(work / "params.yaml", micro_params())
+    run(
+        [
+            sys.executable,
+            str(ROOT / "stages/pretrain.py"),
+            "--params",
+            "params.yaml",
+            "--train",
+            str(micro_data / "packed/train"),
+            "--val",
+            str(micro_data / "packed/val"),
+            "--tokenizer",
+            str(micro_data / "tokenizer/tokenizer.json"),
+            "--out",
+            "out",
+            "--checkpoints",
+            "ckpt",
+        ],
+        work,
+    )
+    return work / "out/model"

@@ -4,7 +4,7 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, micro_params, run, write_params
+from conftest import ROOT, micro_params, run, run_in_process, write_params
 
 from stagelm.benchmark import summary, timed
 
@@ -78,10 +78,10 @@ def test_benchmark_stage_writes_stable_keys_and_raw_samples(micro_data, tmp_path
 
 
 @pytest.mark.slow
-def test_benchmark_bad_params_fail_in_one_line(micro_data, tmp_path):
+def test_benchmark_bad_params_fail_in_one_line(micro_data, tmp_path, capsys):
     write_params(tmp_path / "params.yaml", micro_params(benchmark={"repetitions": 3}))
-    result = run(benchmark_command(micro_data, tmp_path), tmp_path, check=False)
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
+    code, stderr = run_in_process(benchmark_command(micro_data, tmp_path), capsys)
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
     assert "benchmark.repetitions: expected an int >= 10" in line
     assert not (tmp_path / "out").exists()

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
 from flax import nnx
 
 from stagelm.config import load_section
@@ -103,21 +103,6 @@ def test_mixed_rows_gives_the_corpus_a_full_loss_mask(micro_data):
 # --- the stage, as a process -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def teacher(micro_data, tmp_path_factory):
-    """A micro SFT-stage-shaped teacher: a micro model trained by the pretrain stage."""
-    work = tmp_path_factory.mktemp("teacher")
-    write_params(work / "params.yaml", micro_params())
-    py = sys.executable
-    run(
-        [py, str(ROOT / "stages/pretrain.py"), "--params", "params.yaml"]
-        + ["--train", str(micro_data / "packed/train"), "--val", str(micro_data / "packed/val")]
-        + ["--tokenizer", str(micro_data / "tokenizer/tokenizer.json"), "--out", "out", "--checkpoints", "ckpt"],
-        work,
-    )
-    return work / "out/model"
-
-
 def distill_command(micro_data, teacher, work):
     return [
         sys.executable,
@@ -140,16 +125,16 @@ def distill_command(micro_data, teacher, work):
 
 
 @pytest.mark.slow
-def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, teacher, tmp_path):
-    long = {"steps": 60, "checkpoint_every": 10, "eval_every": 30, "log_every": 10}
+def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp_path):
+    long = {"steps": 30, "checkpoint_every": 10, "eval_every": 15, "log_every": 10}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     for work in (killed, whole):
         work.mkdir()
         write_params(work / "params.yaml", micro_params(distill=long))
-    first = run(distill_command(micro_data, teacher, whole), whole)
+    first = run(distill_command(micro_data, pretrained, whole), whole)
     assert "distill: student" in first.stdout
-    kill_after_first_checkpoint(distill_command(micro_data, teacher, killed), killed, killed / "ckpt")
-    resumed = run(distill_command(micro_data, teacher, killed), killed)
+    kill_after_first_checkpoint(distill_command(micro_data, pretrained, killed), killed, killed / "ckpt")
+    resumed = run(distill_command(micro_data, pretrained, killed), killed)
     assert "resuming from step" in resumed.stdout
     a, b = load_model(killed / "out/model"), load_model(whole / "out/model")
     assert a.cfg.d_model == micro_params()["distill"]["student"]["d_model"]
@@ -172,10 +157,10 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, teacher, tmp_pa
         ),
     ],
 )
-def test_distill_bad_params_fail_in_one_line(micro_data, teacher, tmp_path, change, message):
+def test_distill_bad_params_fail_in_one_line(micro_data, pretrained, tmp_path, change, message, capsys):
     write_params(tmp_path / "params.yaml", micro_params(distill=change))
-    result = run(distill_command(micro_data, teacher, tmp_path), tmp_path, check=False)
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
+    code, stderr = run_in_process(distill_command(micro_data, pretrained, tmp_path), capsys)
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
     assert message in line
     assert not (tmp_path / "out").exists()

@@ -2,12 +2,15 @@
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
 import time
 
 import pytest
 import yaml
-from conftest import make_project, micro_params, run, write_params
+from conftest import env_with_venv, make_project, micro_params, run, write_params
 
 from stagelm.files import read_json
 from stagelm.generate import load_generator
@@ -176,6 +179,9 @@ def test_experiment_runs_and_compares(project):
     assert "runs/pretrain/metrics.json" in json.loads(diff)
     params = json.loads(run(["dvc", "params", "diff", "HEAD", "--json"], project).stdout)
     assert params["params.yaml"]["training.lr"]["new"] == 1e-2
+    run(["dvc", "plots", "diff", "HEAD", "lr1e2", "-o", "plots_diff"], project)
+    page = (project / "plots_diff/index.html").read_text()
+    assert "lr1e2" in page and "HEAD" in page and "runs/pretrain/plots/metrics/train/loss.tsv" in page
 
 
 def test_bad_experiment_fails_at_once_with_the_params_line(project):
@@ -214,19 +220,50 @@ def test_a_pushed_model_is_evaluated_elsewhere_without_retraining(project, tmp_p
 
 
 def test_queued_experiments_both_finish_and_differ(project):
+    # eval.* reruns only the evals and the report: two queued experiments cost two short runs
     (project / "notes.txt").write_text("a new file, staged before queueing\n")
     run(["git", "add", "notes.txt"], project)
-    for lr in ("1e-3", "1e-2"):
-        run(["dvc", "exp", "run", "--queue", "-n", f"lr{lr}", "-S", f"training.lr={lr}"], project)
+    for n in (10, 20):
+        run(["dvc", "exp", "run", "--queue", "-n", f"eval{n}", "-S", f"eval.max_examples={n}"], project)
     run(["dvc", "exp", "run", "--run-all", "--jobs", "1"], project, timeout=900)
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
     revs = [r for e in shown[1]["experiments"] for r in e["revs"]]
-    by_name = {r["name"]: r["data"]["metrics"]["runs/pretrain/metrics.json"]["data"] for r in revs}
-    assert set(by_name) == {"lr1e-3", "lr1e-2"}
-    assert by_name["lr1e-3"]["train_loss"] != by_name["lr1e-2"]["train_loss"]
+    by_name = {r["name"]: r["data"]["metrics"]["runs/eval/pretrain/metrics.json"]["data"] for r in revs}
+    assert set(by_name) == {"eval10", "eval20"}
+    assert (by_name["eval10"]["chat"]["n"], by_name["eval20"]["chat"]["n"]) == (20, 40)  # per family × 2 families
 
 
 def test_plots_page_has_the_loss_curves(project):
     run(["dvc", "plots", "show", "-o", "plots_page"], project)
     page = (project / "plots_page/index.html").read_text()
     assert "runs/pretrain/plots/metrics/train/loss.tsv" in page and "runs/sft/plots/metrics/val/loss.tsv" in page
+
+
+def test_ctrl_c_stops_every_stage_process_and_the_next_repro_recovers(project):
+    params = micro_params(training={"steps": 200, "checkpoint_every": 4, "eval_every": 100, "log_every": 10})
+    write_params(project / "params.yaml", params)
+    checkpoints = project / "runs/.checkpoints/pretrain"
+    old = set(checkpoints.iterdir())  # the built project's own fingerprint
+    proc = subprocess.Popen(
+        ["dvc", "repro", "pretrain"],
+        cwd=project,
+        env=env_with_venv(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if any(step.name.isdigit() for run_dir in set(checkpoints.iterdir()) - old for step in run_dir.iterdir()):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "pretrain finished before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+    proc.wait(timeout=120)
+    time.sleep(1)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # no process of the group is left
+    assert "pretrain" in status(project)  # the interrupted stage is not recorded as done
+    out = run(["dvc", "repro", "pretrain"], project).stdout
+    assert "resuming from step" in out, out
+    assert read_json(project / "runs/pretrain/metrics.json")["step"] == 200

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
 from flax import nnx
 
 from stagelm.files import read_json
@@ -187,10 +187,10 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path):
         ({"max_new_tokens": 500}, "grpo.max_new_tokens: 500 plus the longest rl prompt"),
     ],
 )
-def test_grpo_bad_params_fail_in_one_line(micro_data, policy, tmp_path, change, message):
+def test_grpo_bad_params_fail_in_one_line(micro_data, policy, tmp_path, change, message, capsys):
     write_params(tmp_path / "params.yaml", micro_params(grpo=change))
-    result = run(grpo_command(micro_data, policy, tmp_path), tmp_path, check=False)
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
+    code, stderr = run_in_process(grpo_command(micro_data, policy, tmp_path), capsys)
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
     assert message in line
     assert not (tmp_path / "out").exists()

@@ -86,32 +86,6 @@ def test_bad_lora_settings():
 # --- the stage, as a process -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pretrained(micro_data, tmp_path_factory):
-    work = tmp_path_factory.mktemp("pretrained")
-    write_params(work / "params.yaml", micro_params())
-    run(
-        [
-            sys.executable,
-            str(ROOT / "stages/pretrain.py"),
-            "--params",
-            "params.yaml",
-            "--train",
-            str(micro_data / "packed/train"),
-            "--val",
-            str(micro_data / "packed/val"),
-            "--tokenizer",
-            str(micro_data / "tokenizer/tokenizer.json"),
-            "--out",
-            "out",
-            "--checkpoints",
-            "ckpt",
-        ],
-        work,
-    )
-    return work / "out/model"
-
-
 def sft_command(micro_data, model, work):
     return [
         sys.executable,

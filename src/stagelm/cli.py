@@ -91,6 +91,26 @@ def inspect(args: argparse.Namespace) -> None:
     print(inspect_run(Path(args.run_dir), root))
 
 
+def export_hf(args: argparse.Namespace) -> None:
+    from stagelm.hf import export_hf
+
+    out = export_hf(args.model_dir, args.out_dir)
+    print(f"export-hf: {args.model_dir} → {out} (LlamaForCausalLM; model.safetensors, tokenizer, chat template)")
+
+
+def import_hf(args: argparse.Namespace) -> None:
+    from stagelm.hf import import_hf
+    from stagelm.model import count_params
+    from stagelm.modelio import save_model
+
+    tokenizer = args.hf_dir / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise StagelmError(f"{tokenizer}: missing; the checkpoint needs a fast tokenizer's tokenizer.json")
+    model, context = import_hf(args.hf_dir)
+    save_model(args.out_dir, model, tokenizer, {"params_count": count_params(model), "context_len": context})
+    print(f"import-hf: {args.hf_dir} → {args.out_dir} ({count_params(model):,} params, context {context})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="stagelm", description="stagelm: what DVC does not do")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +136,14 @@ def main() -> None:
     ins.add_argument("run_dir")
     ins.add_argument("--pipeline", default="dvc.yaml")
     ins.set_defaults(func=inspect)
+    ex = sub.add_parser("export-hf", help="write a model directory as a transformers Llama checkpoint")
+    ex.add_argument("model_dir", type=Path)
+    ex.add_argument("out_dir", type=Path)
+    ex.set_defaults(func=export_hf)
+    im = sub.add_parser("import-hf", help="read a local transformers Llama checkpoint into a model directory")
+    im.add_argument("hf_dir", type=Path)
+    im.add_argument("out_dir", type=Path)
+    im.set_defaults(func=import_hf)
     args = parser.parse_args()
     run_main(lambda: args.func(args))
 

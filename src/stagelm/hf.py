@@ -1,0 +1,224 @@
+"""Hugging Face interop: a stagelm model as a transformers Llama checkpoint, and back.
+
+`export_hf` writes what `LlamaForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` read: `config.json`, `model.safetensors` (transformers'
+parameter names; every projection as an (out, in) matrix), `generation_config.json`,
+`tokenizer.json` and `tokenizer_config.json` (the special tokens and a chat template
+that renders stagelm's chat format). stagelm's decoder is Llama's: pre-norm RMSNorm,
+rotate-half RoPE with inverse frequencies theta^(-2i/d), grouped-query attention,
+SwiGLU, an optionally tied head; so the mapping is a reshape and a transpose per
+matrix, and logits agree to float tolerance (tested against transformers itself).
+
+`import_hf` reads a local transformers Llama checkpoint (safetensors only; nothing
+runs from it) into a stagelm Decoder, refusing what the decoder lacks (biases,
+rope scaling, another activation) with one line naming the field.
+"""
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from stagelm.errors import StagelmError
+from stagelm.files import read_json, write_json
+from stagelm.model import Decoder, DecoderConfig
+from stagelm.tokenizer import ASSISTANT, BOS, END, EOS, PAD, USER
+
+# Renders stagelm's chat layout: <|user|>text<|end|><|assistant|>text<|end|> ...
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}" + USER + "{% elif message['role'] == 'assistant' %}" + ASSISTANT + ""
+    "{% else %}{{ raise_exception('stagelm chats have user and assistant turns only') }}{% endif %}"
+    "{{ message['content'] }}" + END + "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+
+
+def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
+    """transformers' Llama state dict (name → (out, in) float arrays) of a stagelm decoder."""
+    cfg = model.cfg
+    d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    out = {"model.embed_tokens.weight": np.asarray(model.embed[...])}
+    for i, block in enumerate(model.blocks):
+        p = f"model.layers.{i}."
+        kv = np.asarray(block.attn.kv[...])
+        gate_up = np.asarray(block.mlp.gate_up[...])
+        out.update(
+            {
+                p + "input_layernorm.weight": np.asarray(block.attn_norm[...]),
+                p + "post_attention_layernorm.weight": np.asarray(block.mlp_norm[...]),
+                p + "self_attn.q_proj.weight": np.asarray(block.attn.q[...]).reshape(d, h * dh).T,
+                p + "self_attn.k_proj.weight": kv[:, 0].reshape(d, k * dh).T,
+                p + "self_attn.v_proj.weight": kv[:, 1].reshape(d, k * dh).T,
+                p + "self_attn.o_proj.weight": np.asarray(block.attn.o[...]).reshape(h * dh, d).T,
+                p + "mlp.gate_proj.weight": gate_up[:, 0].T,
+                p + "mlp.up_proj.weight": gate_up[:, 1].T,
+                p + "mlp.down_proj.weight": np.asarray(block.mlp.down[...]).T.reshape(d, f),
+            }
+        )
+    out["model.norm.weight"] = np.asarray(model.final_norm[...])
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(model.head[...]).T
+    return {name: np.ascontiguousarray(a) for name, a in out.items()}
+
+
+def hf_config(cfg: DecoderConfig, context: int, special: dict[str, int]) -> dict[str, Any]:
+    dtype = {"float32": "float32", "bfloat16": "bfloat16"}[cfg.param_dtype]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": context,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype,
+        "bos_token_id": special[BOS],
+        "eos_token_id": special[EOS],
+        "pad_token_id": special[PAD],
+    }
+
+
+def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the transformers Llama checkpoint of stagelm model `model_dir` into `out_dir`."""
+    from safetensors.numpy import save_file
+
+    from stagelm.modelio import load_model, read_model_context
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    model = load_model(model_dir)
+    if model.cfg.lora_rank:
+        raise StagelmError(f"{model_dir}: holds unmerged LoRA adapters; export the merged model (runs/sft/model)")
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())
+    special = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+    missing = [t for t in (PAD, BOS, EOS, USER, ASSISTANT, END) if t not in special]
+    if missing:
+        raise StagelmError(f"{model_dir / 'tokenizer.json'}: lacks the special tokens {missing}; not a stagelm tokenizer")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    context = read_model_context(model_dir)
+    save_file(hf_tensors(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_json(out_dir / "config.json", hf_config(model.cfg, context, special))
+    generation = {"bos_token_id": special[BOS], "eos_token_id": [special[EOS], special[END]], "pad_token_id": special[PAD]}
+    write_json(out_dir / "generation_config.json", generation)
+    shutil.copyfile(model_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    write_json(
+        out_dir / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "additional_special_tokens": [USER, ASSISTANT, END],
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": context,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    return out_dir
+
+
+UNSUPPORTED = {  # config.json field → the only value stagelm's decoder has
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "rope_scaling": None,
+}
+
+
+def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
+    """(stagelm DecoderConfig, context length) of a transformers Llama config.json, or one line why not."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise StagelmError(f"{path}: missing; hf:<dir> must be a local transformers checkpoint directory")
+    c = read_json(path)
+    if c.get("model_type") != "llama":
+        raise StagelmError(f"{path}: model_type {c.get('model_type')!r}; stagelm imports 'llama' checkpoints only")
+    for field, value in UNSUPPORTED.items():
+        if c.get(field, value) != value:
+            raise StagelmError(f"{path}: {field} = {c[field]!r} is not supported (stagelm's decoder has {value!r})")
+    d, h = c["hidden_size"], c["num_attention_heads"]
+    if c.get("head_dim", d // h) != d // h:
+        raise StagelmError(f"{path}: head_dim {c['head_dim']} differs from hidden_size / num_attention_heads")
+    cfg = DecoderConfig(
+        vocab_size=c["vocab_size"],
+        d_model=d,
+        n_layers=c["num_hidden_layers"],
+        n_heads=h,
+        n_kv_heads=c.get("num_key_value_heads", h),
+        d_ff=c["intermediate_size"],
+        rope_theta=float(c.get("rope_theta", 10000.0)),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        init_std=float(c.get("initializer_range", 0.02)),
+    )
+    return cfg, int(c.get("max_position_embeddings", 2048))
+
+
+def import_hf(hf_dir: str | Path) -> tuple[Decoder, int]:
+    """(stagelm Decoder, context length) of a local transformers Llama checkpoint (model.safetensors)."""
+    from safetensors.numpy import load_file
+
+    hf_dir = Path(hf_dir)
+    cfg, context = import_config(hf_dir)
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise StagelmError(f"{hf_dir}: weight {name} missing from the safetensors files")
+        return tensors[name].astype(np.float32)
+
+    model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    values = {("embed",): get("model.embed_tokens.weight"), ("final_norm",): get("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        values[("head",)] = get("lm_head.weight").T
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        q = get(p + "self_attn.q_proj.weight").T.reshape(d, h, dh)
+        kk = get(p + "self_attn.k_proj.weight").T.reshape(d, k, dh)
+        v = get(p + "self_attn.v_proj.weight").T.reshape(d, k, dh)
+        values.update(
+            {
+                ("blocks", i, "attn_norm"): get(p + "input_layernorm.weight"),
+                ("blocks", i, "mlp_norm"): get(p + "post_attention_layernorm.weight"),
+                ("blocks", i, "attn", "q"): q,
+                ("blocks", i, "attn", "kv"): np.stack([kk, v], axis=1),
+                ("blocks", i, "attn", "o"): get(p + "self_attn.o_proj.weight").T.reshape(h, dh, d),
+                ("blocks", i, "mlp", "gate_up"): np.stack(
+                    [get(p + "mlp.gate_proj.weight").T, get(p + "mlp.up_proj.weight").T], axis=1
+                ),
+                ("blocks", i, "mlp", "down"): get(p + "mlp.down_proj.weight").T.reshape(f, d),
+            }
+        )
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    for path, variable in flat.items():
+        if path not in values:
+            raise StagelmError(f"{hf_dir}: no weight maps to stagelm parameter {'.'.join(map(str, path))}")
+        if values[path].shape != variable.shape:
+            raise StagelmError(f"{hf_dir}: weight for {'.'.join(map(str, path))} has shape {values[path].shape}, expected {variable.shape}")
+        flat[path] = variable.replace(jax.numpy.asarray(values[path]))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat)), context
