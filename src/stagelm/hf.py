@@ -109,12 +109,18 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
     special = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
     missing = [t for t in (PAD, BOS, EOS, USER, ASSISTANT, END) if t not in special]
     if missing:
-        raise StagelmError(f"{model_dir / 'tokenizer.json'}: lacks the special tokens {missing}; not a stagelm tokenizer")
+        raise StagelmError(
+            f"{model_dir / 'tokenizer.json'}: lacks the special tokens {missing}; not a stagelm tokenizer"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     context = read_model_context(model_dir)
     save_file(hf_tensors(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     write_json(out_dir / "config.json", hf_config(model.cfg, context, special))
-    generation = {"bos_token_id": special[BOS], "eos_token_id": [special[EOS], special[END]], "pad_token_id": special[PAD]}
+    generation = {
+        "bos_token_id": special[BOS],
+        "eos_token_id": [special[EOS], special[END]],
+        "pad_token_id": special[PAD],
+    }
     write_json(out_dir / "generation_config.json", generation)
     shutil.copyfile(model_dir / "tokenizer.json", out_dir / "tokenizer.json")
     write_json(
@@ -216,9 +222,10 @@ def import_hf(hf_dir: str | Path) -> tuple[Decoder, int]:
     graphdef, state = nnx.split(model)
     flat = dict(nnx.to_flat_state(state))
     for path, variable in flat.items():
+        name = ".".join(map(str, path))
         if path not in values:
-            raise StagelmError(f"{hf_dir}: no weight maps to stagelm parameter {'.'.join(map(str, path))}")
+            raise StagelmError(f"{hf_dir}: no weight maps to stagelm parameter {name}")
         if values[path].shape != variable.shape:
-            raise StagelmError(f"{hf_dir}: weight for {'.'.join(map(str, path))} has shape {values[path].shape}, expected {variable.shape}")
+            raise StagelmError(f"{hf_dir}: weight for {name} has shape {values[path].shape}, expected {variable.shape}")
         flat[path] = variable.replace(jax.numpy.asarray(values[path]))
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), context
