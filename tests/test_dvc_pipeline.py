@@ -119,7 +119,7 @@ def test_params_change_reruns_only_downstream(project):
     write_params(project / "params.yaml", params)
     assert set(status(project)) == {"tokenizer"}
     downstream = {"sft", "distill", "grpo", "benchmark", "report"} | {
-        f"{kind}@{m}" for kind in ("eval", "sample") for m in MODELS
+        f"{kind}@{m}" for kind in ("eval", "sample", "export") for m in MODELS
     }
     assert repro_ran(project) == {"tokenizer", "pack", "pretrain"} | downstream
     params["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}
