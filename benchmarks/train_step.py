@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from stagelm.config import TrainingConfig
+from stagelm.benchmark import bench_optimizer
 from stagelm.model import Decoder, DecoderConfig, flops_per_token
 from stagelm.train import init_state, make_optimizer, make_train_step
 
@@ -25,30 +25,6 @@ PRESETS = {
     "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688, seq_len=256, batch=16),
     "small": dict(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1376, seq_len=512, batch=8),
 }
-
-
-def optimizer_config(steps: int) -> TrainingConfig:
-    return TrainingConfig(
-        lr=3e-4,
-        min_lr_ratio=1.0,
-        schedule="constant",
-        warmup_steps=0,
-        decay_fraction=0.0,
-        weight_decay=0.1,
-        decay_embeddings=True,
-        beta1=0.9,
-        beta2=0.95,
-        eps=1e-8,
-        grad_clip=0.0,
-        batch_size=1,
-        grad_accum=1,
-        steps=steps,
-        eval_every=steps,
-        eval_batches=1,
-        log_every=steps,
-        checkpoint_every=steps,
-        keep_checkpoints=1,
-    )
 
 
 def main() -> None:
@@ -63,7 +39,7 @@ def main() -> None:
     cfg = DecoderConfig(**c, dtype=args.dtype)
     model = Decoder(cfg, nnx.Rngs(0))
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(optimizer_config(args.warmup + args.reps + 1), params)
+    tx = make_optimizer(bench_optimizer(args.warmup + args.reps + 1), params)
     state = init_state(params, tx, jax.random.key(0))
     step = make_train_step(graphdef, tx)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, batch, seq_len + 1)).astype(np.int32)
