@@ -16,7 +16,7 @@ import jax
 from stagelm.config import load_section, read_params, section_dict
 from stagelm.errors import StagelmError, run_main
 from stagelm.evaluation import FORMATS, answer_tasks, limit_per_family, task_metrics, task_prompts, val_metrics
-from stagelm.files import atomic_write_bytes, write_json
+from stagelm.files import atomic_write_bytes, sha256_file, write_json
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows
 from stagelm.modelio import load_model, read_model_context
@@ -43,11 +43,8 @@ def main() -> None:
     tok = load_tokenizer(args.model / "tokenizer.json")
     model = load_model(args.model, mesh)
     rows = PackedRows(args.val)
-    if rows.manifest["vocab_size"] != model.cfg.vocab_size:
-        raise StagelmError(
-            f"{args.val}: packed with a {rows.manifest['vocab_size']}-token vocab, the model has "
-            f"{model.cfg.vocab_size}; rerun `dvc repro`"
-        )
+    if rows.manifest["tokenizer_sha256"] != sha256_file(args.model / "tokenizer.json"):
+        raise StagelmError(f"{args.val}: packed with another tokenizer than {args.model}'s; rerun `dvc repro`")
     with jax.set_mesh(mesh):
         metrics = val_metrics(model, rows, tok, cfg.batch_size, cfg.max_batches, mesh)
     tasks = limit_per_family(read_raw(args.raw, "eval").to_pylist(), cfg.max_examples)

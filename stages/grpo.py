@@ -17,6 +17,7 @@ from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
 from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.distributed import initialize
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import sha256_file
 from stagelm.generate import Generator
@@ -39,6 +40,7 @@ def main() -> None:
         parser.add_argument(flag, required=True, type=Path)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args()
+    initialize()  # joins jax.distributed when launched as one of several processes
     started = now()
     params = read_params(args.params)
     cfg = load_section(params, "grpo")

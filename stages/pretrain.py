@@ -15,10 +15,12 @@ import jax
 from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.config import init_dir, load_section, load_seed, read_params, section_dict
+from stagelm.distributed import initialize
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import sha256_file
 from stagelm.hardware import describe_devices, peak_flops
+from stagelm.hf import import_hf
 from stagelm.loader import PackedRows
 from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token
 from stagelm.modelio import save_model
@@ -33,6 +35,7 @@ def main() -> None:
         parser.add_argument(flag, required=True, type=Path)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args()
+    initialize()  # joins jax.distributed when launched as one of several processes
     started = now()
     params = read_params(args.params)
     model_cfg = load_section(params, "model")
@@ -46,17 +49,28 @@ def main() -> None:
         raise StagelmError(
             f"{args.tokenizer}: differs from the tokenizer {args.train} was packed with; rerun `dvc repro pack`"
         )
-    cfg = DecoderConfig(vocab_size=manifest["vocab_size"], **section_dict(model_cfg))
-
     read = {"model": section_dict(model_cfg), "training": section_dict(tcfg), "seed": seed}
     inputs = {"train": args.train / "manifest.json", "val": args.val / "manifest.json", "tokenizer": args.tokenizer}
+    source = init_dir(model_cfg.init_from)
+    if source is None:
+        model = Decoder(DecoderConfig(vocab_size=manifest["vocab_size"], **model_cfg.architecture()), nnx.Rngs(seed))
+        origin = "from scratch"
+    else:
+        settings = {k: getattr(model_cfg, k) for k in ("dtype", "param_dtype", "remat")}
+        model, context = import_hf(source, manifest["vocab_size"], **settings)
+        if manifest["seq_len"] > context:
+            raise StagelmError(
+                f"pack.seq_len: {manifest['seq_len']} exceeds {source}'s max_position_embeddings {context}; lower it"
+            )
+        inputs["init_from"] = source
+        origin = f"from {source} (its architecture: the model section's sizes are unused)"
+    cfg = model.cfg
     fp = stage_fingerprint(__file__, read, inputs)
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
-    model = Decoder(cfg, nnx.Rngs(seed))
     print(
-        f"pretrain: {count_params(model):,} params on {mesh.devices.size} {jax.devices()[0].platform} device(s); "
-        f"mesh {dict(mesh.shape)}; fingerprint {fp}",
+        f"pretrain: {count_params(model):,} params {origin}, on {mesh.devices.size} {jax.devices()[0].platform} "
+        f"device(s); mesh {dict(mesh.shape)}; fingerprint {fp}",
         flush=True,
     )
     result = train(

@@ -16,6 +16,7 @@ from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
 from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.distributed import initialize
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import sha256_file, sha256_tree, write_json
 from stagelm.hardware import describe_devices
@@ -34,6 +35,7 @@ def main() -> None:
         parser.add_argument(flag, required=True, type=Path)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args()
+    initialize()  # joins jax.distributed when launched as one of several processes
     started = now()
     params = read_params(args.params)
     cfg = load_section(params, "sft")
@@ -42,9 +44,9 @@ def main() -> None:
 
     rows, val_rows = PackedRows(args.train), PackedRows(args.val)
     base_cfg = read_model_config(args.model)
-    if base_cfg.vocab_size != rows.manifest["vocab_size"]:
+    if base_cfg.vocab_size < rows.manifest["vocab_size"]:  # an imported checkpoint may have spare rows
         raise StagelmError(
-            f"{args.model}: vocab {base_cfg.vocab_size} differs from {args.train}'s "
+            f"{args.model}: vocab {base_cfg.vocab_size} is smaller than {args.train}'s "
             f"{rows.manifest['vocab_size']}; retrain the model on this tokenizer (`dvc repro`)"
         )
     tokenizer = args.model / "tokenizer.json"

@@ -123,6 +123,7 @@ def test_params_change_reruns_only_downstream(project):
     }
     assert repro_ran(project) == {"tokenizer", "pack", "pretrain"} | downstream
     params["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}
+    params["launch"] = {"command": "srun --nodes=2"}  # an execution setting: not even the cmd changes
     params["training"]["log_every"] = 5
     params["notes"] = "an unrelated key"
     write_params(project / "params.yaml", params)

@@ -112,6 +112,99 @@ def test_import_of_a_transformers_llama_has_its_logits_then_fine_tunes(micro_dat
     assert load_model(tmp_path / "sft/model").cfg.d_model == 32
 
 
+def save_foreign_llama(micro_data, path):
+    """A transformers Llama whose own tokenizer lacks stagelm's specials (<s>, </s>, <unk> instead)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from stagelm.rawdata import read_raw
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(read_raw(micro_data / "raw", "corpus_train").column("text").to_pylist(), trainer=trainer)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"})
+    )
+    return model, tok
+
+
+def test_pipeline_starts_from_a_local_hf_checkpoint(micro_data, tmp_path):
+    hf, hf_tok = save_foreign_llama(micro_data, tmp_path / "hf")
+    vocab = hf_tok.get_vocab_size()
+    text = "Once upon a time, Mia found 41 shells."
+    ids = hf_tok.encode(text).ids
+
+    # The six chat specials grow the embedding and the head; the checkpoint's own tokens keep their logits.
+    grown, _ = import_hf(tmp_path / "hf", vocab + 6)
+    t = np.array([ids], np.int32)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits.numpy()
+    ours = np.asarray(grown(t, np.ones_like(t), np.arange(len(ids))[None]))
+    assert ours.shape[-1] == vocab + 6
+    np.testing.assert_allclose(ours[..., :vocab], theirs, atol=1e-4)
+
+    params = micro_params(
+        model={"init_from": f"hf:{tmp_path / 'hf'}"},
+        training={"steps": 4, "warmup_steps": 1, "eval_every": 4, "checkpoint_every": 4},
+        sft={"steps": 4, "warmup_steps": 1, "eval_every": 4, "checkpoint_every": 4},
+        eval={"max_examples": 8, "max_new_tokens": 8},
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    write_params(work / "params.yaml", params)
+    raw = str(micro_data / "raw")
+
+    def stage(name, *args):
+        return run([sys.executable, str(ROOT / f"stages/{name}.py"), "--params", "params.yaml", *args], work).stdout
+
+    out = stage("tokenizer", "--raw", raw, "--out", "tok")
+    assert "appended: <|pad|>, <|bos|>, <|eos|>, <|user|>, <|assistant|>, <|end|>" in out
+    adopted = load_tokenizer(work / "tok/tokenizer.json")
+    assert adopted.get_vocab_size() == vocab + 6 and adopted.encode(text, add_special_tokens=False).ids == ids
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == ids
+
+    stage("pack", "--raw", raw, "--tokenizer", "tok", "--out", "packed")
+    out = stage(
+        "pretrain",
+        *("--train", "packed/train", "--val", "packed/val", "--tokenizer", "tok/tokenizer.json"),
+        *("--out", "pretrain", "--checkpoints", "ck/pretrain"),
+    )
+    assert f"from {tmp_path / 'hf'} (its architecture" in out and "done at step 4" in out
+    assert load_model(work / "pretrain/model").cfg.vocab_size == vocab + 6
+    out = stage(
+        "sft",
+        *("--model", "pretrain/model", "--train", "packed/sft", "--val", "packed/val"),
+        *("--out", "sft", "--checkpoints", "ck/sft"),
+    )
+    assert "sft (lora)" in out and "done at step 4" in out
+    stage(
+        "eval",
+        *("--model", "sft/model", "--name", "sft", "--format", "chat", "--val", "packed/val", "--raw", raw),
+        *("--out", "eval"),
+    )
+    metrics = json.loads((work / "eval/metrics.json").read_text())
+    assert np.isfinite(metrics["val_loss"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [

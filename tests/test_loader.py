@@ -44,6 +44,17 @@ def test_process_shards_are_disjoint_and_cover_the_split(micro_data):
     assert len(seen[0] | seen[1]) == len({r.tobytes() for r in rows.all_rows()["tokens"]})
 
 
+def test_process_shares_make_up_the_single_process_batches(micro_data):
+    rows = PackedRows(micro_data / "packed/val")
+    whole = batch_iterator(rows, 4, 5)
+    shares = [batch_iterator(rows, 2, 5, shard_index=i, shard_count=2) for i in range(2)]
+    for _ in range(3 * len(rows) // 4):  # three epochs, each in a new order
+        want = sorted(r.tobytes() for r in next(whole)["tokens"])
+        got = sorted(r.tobytes() for it in shares for r in next(it)["tokens"])
+        assert got == want
+    assert shares[0].get_state() == shares[1].get_state() == whole.get_state()
+
+
 def test_corrupt_shard_is_named(micro_data, tmp_path):
     import shutil
 

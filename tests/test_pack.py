@@ -5,9 +5,11 @@ import pytest
 
 from stagelm.files import read_json
 from stagelm.loader import PackedRows
-from stagelm.pack import EOS_ID, pack_next_fit, pack_stream
+from stagelm.pack import pack_next_fit, pack_stream
 from stagelm.rawdata import read_raw
-from stagelm.tokenizer import encode_batch, load_tokenizer
+from stagelm.tokenizer import EOS, encode_batch, load_tokenizer, special_id
+
+EOS_ID = 2  # <|eos|> in a tokenizer the tokenizer stage trains
 
 
 def docs_of(lengths, start=10):
@@ -22,14 +24,14 @@ def non_pad(columns):
 @pytest.mark.parametrize("lengths", [[3, 5, 40, 1, 17], [8], [9], [100, 2, 2, 2]])
 def test_stream_packing_loses_no_token(lengths):
     docs = docs_of(lengths)
-    cols = pack_stream(docs, 9)
+    cols = pack_stream(docs, 9, EOS_ID)
     expected = np.concatenate([np.append(d, EOS_ID) for d in docs])
     np.testing.assert_array_equal(non_pad(cols), expected)
     assert cols["tokens"].shape[1] == 9
 
 
 def test_segments_and_positions_restart_per_document():
-    cols = pack_stream(docs_of([3, 2, 6]), 8)  # 4 + 3 + 7 = 14 tokens → 2 rows
+    cols = pack_stream(docs_of([3, 2, 6]), 8, EOS_ID)  # 4 + 3 + 7 = 14 tokens → 2 rows
     np.testing.assert_array_equal(cols["segment_ids"], [[1, 1, 1, 1, 2, 2, 2, 3], [1, 1, 1, 1, 1, 1, 0, 0]])
     np.testing.assert_array_equal(cols["positions"], [[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5, 0, 0]])
     assert (cols["tokens"][1, 6:] == 0).all()
@@ -38,7 +40,7 @@ def test_segments_and_positions_restart_per_document():
 def test_next_fit_keeps_documents_whole_and_masks():
     docs = docs_of([3, 4, 2, 12])
     masks = [np.array([0, 1, 1]), np.array([0, 0, 1, 1]), np.array([1, 1]), np.ones(12, int)]
-    cols = pack_next_fit(docs, masks, 6)
+    cols = pack_next_fit(docs, masks, 6, EOS_ID)
     np.testing.assert_array_equal(non_pad(cols), np.concatenate([np.append(d, EOS_ID) for d in docs]))
     # rows: [doc0+eos, pad..], [doc1+eos, pad], [doc2+eos, ...]: no document is cut unless longer than a row
     np.testing.assert_array_equal(cols["segment_ids"][0], [1, 1, 1, 1, 0, 0])
@@ -51,7 +53,8 @@ def test_packed_shards_hold_exactly_the_documents(micro_data):
     for split in ("train", "val"):
         rows = PackedRows(micro_data / "packed" / split)
         texts = read_raw(micro_data / "raw", f"corpus_{split}").column("text").to_pylist()
-        expected = np.concatenate([np.append(d, EOS_ID) for d in encode_batch(tok, texts)])
+        eos = special_id(tok, EOS)
+        expected = np.concatenate([np.append(d, eos) for d in encode_batch(tok, texts)])
         cols = rows.all_rows()
         np.testing.assert_array_equal(non_pad(cols), expected)
         manifest = rows.manifest

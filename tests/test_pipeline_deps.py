@@ -75,6 +75,9 @@ def sections_read(script: Path) -> set[str]:
             names.add(node.args[1].value)
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_seed":
             names.add("seed")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_value":  # one key: "section.field"
+            assert isinstance(node.args[1], ast.Constant), f"{script}: name keys literally in load_value"
+            names.add(node.args[1].value)
     return names
 
 
@@ -95,8 +98,8 @@ def test_params_are_exactly_what_the_stage_reads(name):
             declared |= {f"{entry}.{f}" for f in fields}
     expected = set()
     for section in sections_read(script_of(stage)) - EXECUTION_SECTIONS:
-        if section == "seed":
-            expected.add("seed")
+        if section == "seed" or "." in section:
+            expected.add(section)
             continue
         expected |= {f"{section}.{f}" for f in SECTIONS[section].__dataclass_fields__}
     assert declared == expected - EXECUTION_KEYS

@@ -8,7 +8,9 @@ import pytest
 from conftest import micro_params
 from flax import nnx
 
+from stagelm.checkpoint import Checkpoints
 from stagelm.config import load_section
+from stagelm.errors import StagelmError
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.sharding import make_mesh, replicated
@@ -85,3 +87,24 @@ def test_layouts_match_one_device(reference, shape, sharded):
     if sharded.get("opt"):  # Adam's moments shard like their params (ZeRO-3 style)
         mu = state.opt_state[1][0].mu["blocks"][0]["mlp"]["gate_up"][...]
         assert tuple(mu.sharding.spec) == sharded["gate_up"]
+
+
+def test_checkpoint_resumes_onto_another_mesh(reference, tmp_path):
+    tcfg, batches, _, _ = reference
+    _, saved = run_steps(make_mesh(1, 8, 1), batches, tcfg)
+    ckpt = Checkpoints(tmp_path / "ckpt", 1)
+    ckpt.save(3, saved, {"loader": {"next_index": 3}}, None)
+    _, target = run_steps(make_mesh(2, 1, 2, jax.devices()[:4]), [], tcfg)  # a fresh state on a 4-device mesh
+    restored, extra = ckpt.restore(3, target)
+    assert extra == {"loader": {"next_index": 3}}
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(saved.rng))
+    for got, want, like in zip(*(jax.tree.leaves(s[:3]) for s in (restored, saved, target)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding == like.sharding
+
+    wider = dataclasses.replace(CFG, d_ff=128)  # a state Orbax cannot fit the checkpoint into
+    with jax.set_mesh(make_mesh(1, 1, 1, jax.devices()[:1])):
+        _, other, _, _ = shard_state(Decoder(wider, nnx.Rngs(0)), nnx.Param, make_mesh(1, 1, 1, jax.devices()[:1]))
+    with pytest.raises(StagelmError, match=r"/3: cannot be restored onto this run's state and mesh .*delete"):
+        ckpt.restore(3, target._replace(params=other))
+    ckpt.close()

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 from stagelm.config import EXECUTION_KEYS
+from stagelm.errors import StagelmError
 from stagelm.files import sha256_file, sha256_tree
 
 
@@ -88,10 +89,20 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        """(state laid out like `target`, with its shardings; the JSON extra) of checkpoint `step`."""
+        """(state laid out like `target`, with its shardings; the JSON extra) of checkpoint `step`.
+
+        Orbax reshards on restore, so a run may resume on another mesh or device count.
+        """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore())
-        restored = self.manager.restore(step, args=args)
+        try:
+            restored = self.manager.restore(step, args=args)
+        except (ValueError, KeyError, TypeError) as err:
+            raise StagelmError(
+                f"{self.directory / str(step)}: cannot be restored onto this run's state and mesh "
+                f"({str(err).splitlines()[0][:160]}); resume with the mesh it was saved on, or delete "
+                f"{self.directory} to start over"
+            ) from None
         return restored["state"], restored["extra"]
 
     def all_steps(self) -> list[int]:

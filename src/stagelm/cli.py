@@ -3,9 +3,17 @@
 stagelm check [--params params.yaml] [--pipeline dvc.yaml]
     validate every params section and every data manifest that exists, in seconds,
     before any compute is spent.
+stagelm launch <stage command>
+    run a training stage's command behind params.yaml's `launch.command` (dvc.yaml's
+    training stages start this way). Empty, the command runs as it is; a cluster
+    wrapper such as `srun --nodes=2 --ntasks-per-node=4` starts it on every task and
+    blocks until they all end, so `dvc repro` on the head node waits for the job.
+    `launch` is an execution setting: no stage lists it, so it reruns nothing.
 """
 
 import argparse
+import os
+import shlex
 from pathlib import Path
 
 import yaml
@@ -52,6 +60,18 @@ def check(args: argparse.Namespace) -> None:
     for manifest in sorted(packed.glob("*/manifest.json")):
         n = check_manifest_files(manifest.parent, read_json(manifest)["shards"])
         print(f"ok: {manifest.parent}: {n} shards match manifest.json")
+
+
+def launch(args: argparse.Namespace) -> None:
+    command = args.stage_command
+    if not command:
+        raise StagelmError("launch: give the stage command, e.g. `stagelm launch python stages/pretrain.py ...`")
+    params_file = command[command.index("--params") + 1] if "--params" in command[:-1] else "params.yaml"
+    argv = shlex.split(load_section(read_params(params_file), "launch").command) + command
+    try:
+        os.execvp(argv[0], argv)  # the stage (or the wrapper) replaces this process: signals reach it directly
+    except OSError as err:
+        raise StagelmError(f"launch.command: cannot run {argv[0]!r} ({err.strerror}); fix launch.command") from None
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -118,6 +138,9 @@ def main() -> None:
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--pipeline", default="dvc.yaml")
     p.set_defaults(func=check)
+    la = sub.add_parser("launch", help="run a training stage command behind params.yaml's launch.command")
+    la.add_argument("stage_command", nargs=argparse.REMAINDER)
+    la.set_defaults(func=launch)
     g = sub.add_parser("generate", help="stream a completion from a model directory")
     g.add_argument("model_dir", type=Path)
     g.add_argument("--prompt", required=True)

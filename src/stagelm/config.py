@@ -11,6 +11,7 @@ obeys are read in one place. Stages load only the sections they read.
 """
 
 import dataclasses
+import shlex
 import types
 import typing
 from pathlib import Path
@@ -86,9 +87,26 @@ class ModelConfig:
     param_dtype: str = checked(one_of("float32", "bfloat16"))
     remat: str = checked(one_of("none", "block"))
     init_std: float = checked(POSITIVE)
+    # null: train from scratch with the fields above. hf:<local dir>: start from a transformers
+    # Llama checkpoint there (its architecture and tokenizer; dtype, param_dtype and remat still apply).
+    init_from: str | None = checked((lambda v: v.startswith("hf:") and len(v) > 3, "null or hf:<local dir>"))
 
     def __post_init__(self) -> None:
         check_heads(self, "model")
+
+    def architecture(self) -> dict[str, Any]:
+        """The DecoderConfig fields of this section (everything but init_from)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "init_from"}
+
+
+def init_dir(init_from: str | None) -> Path | None:
+    """The local checkpoint directory of `model.init_from`, or None (from scratch)."""
+    if init_from is None:
+        return None
+    path = Path(init_from[3:]).expanduser()
+    if not (path / "config.json").is_file():
+        raise StagelmError(f"model.init_from: {path} has no config.json; give a local transformers checkpoint dir")
+    return path
 
 
 def check_heads(cfg: Any, prefix: str) -> None:
@@ -135,6 +153,19 @@ class MeshConfig:
     data: int = checked(MESH_AXIS)
     fsdp: int = checked(MESH_AXIS)
     tensor: int = checked(MESH_AXIS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    # A prefix for the training stages' commands ("" = run them as one local process),
+    # e.g. "srun --nodes=2 --ntasks-per-node=4": see stagelm.distributed.
+    command: str
+
+    def __post_init__(self) -> None:
+        try:
+            shlex.split(self.command)
+        except ValueError as err:
+            raise StagelmError(f"launch.command: {err} in {self.command!r}; fix the quoting") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +359,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "training": TrainingConfig,
     "mesh": MeshConfig,
+    "launch": LaunchConfig,
     "eval": EvalConfig,
     "sample": SampleConfig,
     "sft": SftConfig,
@@ -369,6 +401,16 @@ def load_section(params: dict[str, Any], name: str) -> Any:
     if name not in params:
         raise StagelmError(f"{name}: section missing from params.yaml; add it (see README)")
     return parse_dataclass(SECTIONS[name], params[name], name)
+
+
+def load_value(params: dict[str, Any], key: str) -> Any:
+    """One validated value, `section.field`, for a stage that reads only that key of a section."""
+    section, name = key.split(".")
+    if section not in params or not isinstance(params[section], dict) or name not in params[section]:
+        raise StagelmError(f"{key}: missing from params.yaml; add it (see README)")
+    field = SECTIONS[section].__dataclass_fields__[name]
+    hint = typing.get_type_hints(SECTIONS[section])[name]
+    return check_value(params[section][name], hint, key, field.metadata.get("check"))
 
 
 def load_seed(params: dict[str, Any]) -> int:

@@ -22,7 +22,7 @@ from stagelm.batching import sum_over_split
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows
 from stagelm.tasks import check_answer
-from stagelm.tokenizer import SPECIAL_TOKENS, chat_prompt_ids
+from stagelm.tokenizer import chat_prompt_ids
 from stagelm.train import lm_loss, next_token_targets
 
 FORMATS = ("completion", "chat")
@@ -31,7 +31,7 @@ FORMATS = ("completion", "chat")
 def token_bytes(tok: Tokenizer) -> np.ndarray:
     """UTF-8 bytes each token id stands for (byte-level BPE: one vocab character per byte; specials 0)."""
     sizes = np.array([len(tok.id_to_token(i)) for i in range(tok.get_vocab_size())], np.float32)
-    sizes[: len(SPECIAL_TOKENS)] = 0
+    sizes[[i for i, t in tok.get_added_tokens_decoder().items() if t.special]] = 0
     return sizes
 
 

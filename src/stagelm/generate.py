@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from stagelm.errors import StagelmError
 from stagelm.model import Decoder, init_cache
 from stagelm.modelio import load_model, read_model_context
-from stagelm.tokenizer import END, EOS, SPECIAL_TOKENS, load_tokenizer
+from stagelm.tokenizer import END, EOS, load_tokenizer, special_id
 
 BUCKET = 16
 
@@ -164,9 +164,9 @@ class Generator:
         stop = np.zeros(self.model.cfg.vocab_size, bool)
         if not enabled:  # fixed-length generation (benchmarks)
             return jnp.asarray(stop)
-        stop[SPECIAL_TOKENS.index(EOS)] = True
+        stop[special_id(self.tokenizer, EOS)] = True
         if chat:
-            stop[SPECIAL_TOKENS.index(END)] = True
+            stop[special_id(self.tokenizer, END)] = True
         if stop_at_newline:
             stop[self.newline_ids] = True
         return jnp.asarray(stop)

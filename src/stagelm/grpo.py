@@ -28,6 +28,7 @@ from flax import nnx
 
 from stagelm.config import GrpoConfig
 from stagelm.generate import Generator, Sampling
+from stagelm.sharding import to_host
 from stagelm.tasks import check_answer
 from stagelm.tokenizer import chat_prompt_ids
 from stagelm.train import LossFn, next_token_targets
@@ -122,7 +123,10 @@ class Rollouts:
             self.batch["on_policy"] = np.zeros_like(self.batch["on_policy"])
             host = {}
         self.update = (self.update + 1) % self.cfg.updates_per_rollout
-        return dict(self.batch), host
+        # Every process draws the same rollout (same prompts, same keys) and trains on its share of the rows.
+        share = len(self.batch["tokens"]) // jax.process_count()
+        mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+        return {k: v[mine] for k, v in self.batch.items()}, host
 
     def draw(self, policy: Any) -> dict[str, float]:
         """Sample, score and lay out one rollout with the current policy; its host metrics."""
@@ -137,7 +141,7 @@ class Rollouts:
         tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
         stop = gen.stop_mask(chat=True, stop_at_newline=True)
         out, _ = gen._loop(policy, tokens, seg, pos, stop, key, sampling.arrays(), max_new=cfg.max_new_tokens)
-        out = np.asarray(out)
+        out = to_host(out)
         rollout_s = time.perf_counter() - t0
 
         rewards, correct, formed, lengths = [], [], [], []
@@ -166,9 +170,9 @@ class Rollouts:
             "on_policy": np.ones(full_tokens.shape, np.float32),
         }
         args = (jnp.asarray(full_tokens), jnp.asarray(full_seg), jnp.asarray(full_pos))
-        batch["ref_logp"] = np.asarray(self._score(self.ref, *args))
+        batch["ref_logp"] = to_host(self._score(self.ref, *args))
         batch["old_logp"] = (
-            np.asarray(self._score(policy, *args)) if cfg.updates_per_rollout > 1 else np.zeros_like(batch["ref_logp"])
+            to_host(self._score(policy, *args)) if cfg.updates_per_rollout > 1 else np.zeros_like(batch["ref_logp"])
         )
         self.batch = batch
         self.rollout += 1

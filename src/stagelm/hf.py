@@ -14,6 +14,7 @@ runs from it) into a stagelm Decoder, refusing what the decoder lacks (biases,
 rope scaling, another activation) with one line naming the field.
 """
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -178,12 +179,20 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
     return cfg, int(c.get("max_position_embeddings", 2048))
 
 
-def import_hf(hf_dir: str | Path) -> tuple[Decoder, int]:
-    """(stagelm Decoder, context length) of a local transformers Llama checkpoint (model.safetensors)."""
+def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any) -> tuple[Decoder, int]:
+    """(stagelm Decoder, context length) of a local transformers Llama checkpoint (model.safetensors).
+
+    `vocab_size` beyond the checkpoint's grows the embedding (and an untied head) for
+    tokens added to its tokenizer; their rows start at the mean of the existing ones.
+    `settings` are DecoderConfig fields that do not change the weights (dtype,
+    param_dtype, remat).
+    """
     from safetensors.numpy import load_file
 
     hf_dir = Path(hf_dir)
     cfg, context = import_config(hf_dir)
+    trained_vocab = cfg.vocab_size
+    cfg = dataclasses.replace(cfg, vocab_size=max(vocab_size or 0, trained_vocab), **settings)
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
@@ -197,10 +206,16 @@ def import_hf(hf_dir: str | Path) -> tuple[Decoder, int]:
             raise StagelmError(f"{hf_dir}: weight {name} missing from the safetensors files")
         return tensors[name].astype(np.float32)
 
+    def grown(rows: np.ndarray) -> np.ndarray:  # (trained vocab, d) → (cfg.vocab_size, d)
+        if len(rows) != trained_vocab:
+            return rows  # a wrong shape is named below
+        extra = np.repeat(rows.mean(0, keepdims=True), cfg.vocab_size - trained_vocab, axis=0)
+        return np.concatenate([rows, extra])
+
     model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-    values = {("embed",): get("model.embed_tokens.weight"), ("final_norm",): get("model.norm.weight")}
+    values = {("embed",): grown(get("model.embed_tokens.weight")), ("final_norm",): get("model.norm.weight")}
     if not cfg.tie_embeddings:
-        values[("head",)] = get("lm_head.weight").T
+        values[("head",)] = grown(get("lm_head.weight")).T
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         q = get(p + "self_attn.q_proj.weight").T.reshape(d, h, dh)
@@ -227,5 +242,5 @@ def import_hf(hf_dir: str | Path) -> tuple[Decoder, int]:
             raise StagelmError(f"{hf_dir}: no weight maps to stagelm parameter {name}")
         if values[path].shape != variable.shape:
             raise StagelmError(f"{hf_dir}: weight for {name} has shape {values[path].shape}, expected {variable.shape}")
-        flat[path] = variable.replace(jax.numpy.asarray(values[path]))
+        flat[path] = variable.replace(jax.numpy.asarray(values[path], variable.dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), context

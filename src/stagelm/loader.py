@@ -2,8 +2,8 @@
 
 `open_split` verifies a split directory against its manifest (schema, every shard's
 sha256) and memory-maps its Arrow shards. `batch_iterator` builds the Grain pipeline:
-this process's shard of the rows (`shard_index::shard_count`, for multi-host runs),
-a seeded shuffle that changes every epoch, repetition and batching. Its iterator is
+a seeded shuffle that changes every epoch, repetition, this process's share of the
+rows (for multi-host runs) and batching. Its iterator is
 checkpointable: `get_state()` is a small JSON-able dict, and `set_state()` on a fresh
 iterator resumes exactly where the saved one was.
 """
@@ -125,11 +125,19 @@ def batch_iterator(
     shuffle: bool = True,
     num_epochs: int | None = None,
 ) -> grain.DatasetIterator:
-    """A checkpointable iterator of dicts of (batch_size, row_len) numpy arrays."""
-    ds = grain.MapDataset.source(rows)[shard_index::shard_count]
-    if len(ds) == 0:
-        raise StagelmError(f"{rows.dir}: no rows for process {shard_index} of {shard_count}; pack more data")
+    """A checkpointable iterator of dicts of (batch_size, row_len) numpy arrays.
+
+    The rows are shuffled (a new order each epoch) and repeated before they are split
+    between processes: process p takes rows p, p + shard_count, ... of that one stream.
+    So the processes' batches together hold exactly the rows that one process would
+    batch for the same global batch, whatever the process count, and every process's
+    iterator state is the same position in the stream.
+    """
+    if len(rows) < shard_count:
+        raise StagelmError(f"{rows.dir}: {len(rows)} rows cannot feed {shard_count} processes; pack more data")
+    ds = grain.MapDataset.source(rows)
     if shuffle:
         ds = ds.shuffle(seed)
-    ds = ds.repeat(num_epochs).batch(batch_size, drop_remainder=num_epochs is None)
+    ds = ds.repeat(num_epochs)[shard_index::shard_count]
+    ds = ds.batch(batch_size, drop_remainder=num_epochs is None)
     return iter(ds.to_iter_dataset())

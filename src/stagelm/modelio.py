@@ -55,10 +55,14 @@ def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> 
         raise StagelmError(f"{model_dir / 'params'}: missing; rerun the stage that writes {model_dir}")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    # Explicit target shardings: the saved ones name the devices of the run that wrote the
+    # model (a cluster's, perhaps), which this process may not have.
     if mesh is not None:
         shardings = param_shardings(state, mesh)
-        target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target, shardings)
+    else:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, state)
+    target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), state, shardings)
     try:
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(model_dir / "params", target)

@@ -22,10 +22,9 @@ import pyarrow as pa
 from tokenizers import Tokenizer
 
 from stagelm.files import sha256_file, write_json
-from stagelm.tokenizer import EOS, SPECIAL_TOKENS, chat_segments, encode_batch
+from stagelm.tokenizer import EOS, chat_segments, encode_batch, special_id
 
 SCHEMA_VERSION = 1
-EOS_ID = SPECIAL_TOKENS.index(EOS)
 
 
 def segment_layout(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -42,10 +41,10 @@ def segment_layout(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return segment_ids, positions
 
 
-def pack_stream(docs: list[np.ndarray], row_len: int) -> dict[str, np.ndarray]:
-    """Concatenate documents (each + EOS) and cut into rows of `row_len`; pad the last row."""
+def pack_stream(docs: list[np.ndarray], row_len: int, eos: int) -> dict[str, np.ndarray]:
+    """Concatenate documents (each + the `eos` id) and cut into rows of `row_len`; pad the last row."""
     lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
-    flat = np.concatenate([np.append(d, EOS_ID).astype(np.int32) for d in docs])
+    flat = np.concatenate([np.append(d, eos).astype(np.int32) for d in docs])
     doc_of = np.repeat(np.arange(len(docs)), lengths)
     n_rows = -(-len(flat) // row_len)
     padded = n_rows * row_len - len(flat)
@@ -55,11 +54,11 @@ def pack_stream(docs: list[np.ndarray], row_len: int) -> dict[str, np.ndarray]:
     return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
 
 
-def pack_next_fit(docs: list[np.ndarray], masks: list[np.ndarray], row_len: int) -> dict[str, np.ndarray]:
-    """Pack documents (each + EOS) whole into rows, opening a new row when one does not fit."""
+def pack_next_fit(docs: list[np.ndarray], masks: list[np.ndarray], row_len: int, eos: int) -> dict[str, np.ndarray]:
+    """Pack documents (each + the `eos` id) whole into rows, opening a new row when one does not fit."""
     pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (doc index, tokens, mask)
     for i, (doc, mask) in enumerate(zip(docs, masks, strict=True)):
-        doc, mask = np.append(doc, EOS_ID), np.append(mask, 0)
+        doc, mask = np.append(doc, eos), np.append(mask, 0)
         for start in range(0, len(doc), row_len):  # only a doc longer than a row is cut
             pieces.append((i, doc[start : start + row_len], mask[start : start + row_len]))
     rows: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[]]
@@ -120,7 +119,7 @@ def write_split(out_dir: Path, columns: dict[str, np.ndarray], rows_per_shard: i
 def pack_corpus(tok: Tokenizer, texts: list[str], row_len: int) -> tuple[dict[str, np.ndarray], int]:
     """(packed columns, document count) of a corpus split, concatenate-and-chunk."""
     docs = encode_batch(tok, texts)
-    return pack_stream(docs, row_len), len(docs)
+    return pack_stream(docs, row_len, special_id(tok, EOS)), len(docs)
 
 
 def pack_chats(tok: Tokenizer, conversations: list[list[dict]], row_len: int) -> tuple[dict[str, np.ndarray], int]:
@@ -128,4 +127,4 @@ def pack_chats(tok: Tokenizer, conversations: list[list[dict]], row_len: int) ->
     encoded = [chat_segments(tok, messages) for messages in conversations]
     docs = [np.asarray(ids, np.int32) for ids, _ in encoded]
     masks = [np.asarray(mask, np.int32) for _, mask in encoded]
-    return pack_next_fit(docs, masks, row_len), len(docs)
+    return pack_next_fit(docs, masks, row_len, special_id(tok, EOS)), len(docs)

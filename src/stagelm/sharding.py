@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from stagelm.errors import StagelmError
@@ -97,3 +98,10 @@ def constrain(x: jax.Array, axes: tuple) -> jax.Array:
         return x
     spec = fit_spec(logical_spec(axes), x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole of a global array as numpy, on every process (gathered when other processes hold parts)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

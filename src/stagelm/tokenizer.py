@@ -4,8 +4,11 @@ Pre-tokenization splits digits into single-digit pieces before the byte-level st
 so numbers are spelled digit by digit (small models learn arithmetic far better
 that way). Byte-level BPE means every unicode string round-trips exactly.
 
-Special tokens take the first ids, in this order: pad 0, bos 1, eos 2, then the chat
-roles and the end-of-turn marker. The chat template is
+Special tokens take the first ids of a trained tokenizer, in this order: pad 0, bos 1,
+eos 2, then the chat roles and the end-of-turn marker. A tokenizer adopted from a
+transformers checkpoint (`model.init_from`) keeps its own ids and gets whichever of
+these it lacks appended as added special tokens; code looks them up by name. The chat
+template is
 
     <|user|>{user text}<|end|><|assistant|>{assistant text}<|end|>
 
@@ -16,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from stagelm.errors import StagelmError
 
@@ -57,14 +60,28 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = Tokenizer.from_file(str(path))
     except Exception:
         raise StagelmError(f"{path}: not a valid tokenizer.json; rerun `dvc repro tokenizer`") from None
-    for i, special in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(special) != i:
-            raise StagelmError(f"{path}: special token {special} is not id {i}; retrain it with `dvc repro tokenizer`")
+    for special in SPECIAL_TOKENS:
+        if tok.token_to_id(special) is None:
+            raise StagelmError(f"{path}: special token {special} is missing; rebuild it with `dvc repro tokenizer`")
     return tok
 
 
+def adopt_tokenizer(path: str | Path) -> tuple[Tokenizer, list[str]]:
+    """(a checkpoint's tokenizer.json with stagelm's specials it lacks appended, the tokens appended)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StagelmError(f"{path}: missing; model.init_from needs the checkpoint's fast tokenizer (tokenizer.json)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:
+        raise StagelmError(f"{path}: not a valid tokenizer.json") from None
+    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    return tok, missing
+
+
 def special_id(tok: Tokenizer, token: str) -> int:
-    return SPECIAL_TOKENS.index(token)
+    return tok.token_to_id(token)
 
 
 def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
@@ -76,8 +93,8 @@ def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], 
     """(token ids, loss mask) of a conversation; the mask is 1 on assistant text and its <|end|>."""
     ids: list[int] = []
     mask: list[int] = []
-    role_ids = {"user": SPECIAL_TOKENS.index(USER), "assistant": SPECIAL_TOKENS.index(ASSISTANT)}
-    end = SPECIAL_TOKENS.index(END)
+    role_ids = {"user": special_id(tok, USER), "assistant": special_id(tok, ASSISTANT)}
+    end = special_id(tok, END)
     for message in messages:
         role = message["role"]
         if role not in role_ids:
@@ -92,4 +109,4 @@ def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], 
 def chat_prompt_ids(tok: Tokenizer, user_text: str) -> list[int]:
     """Ids of a one-turn chat prompt ready for the assistant's answer."""
     ids, _ = chat_segments(tok, [{"role": "user", "content": user_text}])
-    return ids + [SPECIAL_TOKENS.index(ASSISTANT)]
+    return ids + [special_id(tok, ASSISTANT)]

@@ -151,7 +151,9 @@ def train(
             )
             print(f"starting fresh at step 0: {why}", flush=True)
 
-        log = MetricLog(out_dir, history, total_steps=cfg.steps, log_every=cfg.log_every)
+        log = MetricLog(
+            out_dir, history, total_steps=cfg.steps, log_every=cfg.log_every, writer=jax.process_index() == 0
+        )
         schedule = lr_schedule(cfg)
         start = int(state.step)
         pending: tuple[int, dict, dict] | None = None

@@ -1,0 +1,114 @@
+"""Multi-process training on JAX's own runtime: two CPU processes ≡ one process with the same devices."""
+
+import socket
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from conftest import BIN, ROOT, env_with_venv, micro_params, run, write_params
+from test_pretrain_stage import command, history
+
+from stagelm.files import read_json
+from stagelm.modelio import load_model
+
+pytestmark = pytest.mark.slow
+
+# fsdp inside a process, data across processes: params, optimizer state and batches
+# all cross the process boundary.
+MESH = {"data": -1, "fsdp": 2, "tensor": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(devices: int, **extra: str) -> dict:
+    return {**env_with_venv(), "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+
+
+def launch_two(cmd: list[str], cwd) -> list[subprocess.CompletedProcess]:
+    """Start `stagelm launch <cmd>` as processes 0 and 1 of a loopback job, and wait for both."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "stagelm"), "launch", *cmd],
+            cwd=cwd,
+            env=env(
+                2,
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID=str(i),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out
+    return outs
+
+
+def test_two_processes_match_one(micro_data, tmp_path):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    for work in (single, multi):
+        work.mkdir()
+        write_params(work / "params.yaml", micro_params(mesh=MESH))
+    run(command(micro_data, single), single, env=env(4))
+    outs = launch_two(command(micro_data, multi), multi)
+
+    # One process writes the metrics; both print their progress only through process 0.
+    assert "pretrain: done at step 12" in outs[0]
+    assert "step 12/12" in outs[0] and "step 12/12" not in outs[1]
+    assert read_json(multi / "out/provenance.json")["devices"]["processes"] == 2
+    a, b = history(single / "out"), history(multi / "out")
+    assert a.keys() == b.keys() and "train/loss.tsv" in a
+    for name in a:
+        steps_a, values_a = zip(*a[name], strict=True)
+        steps_b, values_b = zip(*b[name], strict=True)
+        assert steps_a == steps_b
+        np.testing.assert_allclose(np.float64(values_a), np.float64(values_b), rtol=1e-4, err_msg=name)
+    for x, y in zip(
+        jax.tree.leaves(load_model(single / "out/model")), jax.tree.leaves(load_model(multi / "out/model")), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+    # Both processes restore the sharded state from Orbax: a rerun resumes at the last step.
+    model_before = [np.asarray(x) for x in jax.tree.leaves(load_model(multi / "out/model"))]
+    outs = launch_two(command(micro_data, multi), multi)
+    assert "resuming from step 12" in outs[0] and "resuming from step 12" in outs[1]
+    for x, y in zip(model_before, jax.tree.leaves(load_model(multi / "out/model")), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_launch_prefix_and_bad_variables(micro_data, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    # The prefix runs before the stage command (here `env`, which sets a variable and execs the rest).
+    write_params(work / "params.yaml", micro_params(launch={"command": "env JAX_NUM_PROCESSES=2"}))
+    out = run([str(BIN / "stagelm"), "launch", *command(micro_data, work)], work, check=False)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: JAX_COORDINATOR_ADDRESS: not set, but JAX_NUM_PROCESSES is; "
+        "set all of JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID or none"
+    )
+    assert not (work / "out").exists()
+
+    write_params(work / "params.yaml", micro_params(launch={"command": "no-such-launcher --nodes=2"}))
+    out = run([str(BIN / "stagelm"), "launch", *command(micro_data, work)], work, check=False)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "error: launch.command: cannot run 'no-such-launcher' (No such file or directory); fix launch.command"
+    )
+
+
+def test_training_stages_start_through_launch():
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name in ("pretrain", "sft", "distill", "grpo"):
+        assert stages[name]["cmd"].startswith(f"stagelm launch python stages/{name}.py"), name
