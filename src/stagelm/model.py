@@ -228,12 +228,18 @@ class Decoder(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
 
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """(B, T, D) embeddings. The table's fsdp shards are gathered before the lookup, as FSDP
+        does for every weight it uses, so the rows come out split by batch rather than by
+        feature (GSPMD would otherwise replicate them to reshard)."""
+        table = constrain(self.embed[...], ("vocab", None))
+        return constrain(table.astype(self.cfg.dtype)[tokens], ("batch", "seq", "embed_act"))
+
     def hidden(
         self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, rng: jax.Array | None = None
     ) -> jax.Array:
         """Final-norm hidden states (B, T, D) of token rows (B, T); `rng` drives LoRA dropout when set."""
-        x = self.embed[...].astype(self.cfg.dtype)[tokens]
-        x = constrain(x, ("batch", "seq", "embed_act"))
+        x = self.embed_tokens(tokens)
         mask = segment_causal_mask(segment_ids, segment_ids, positions, positions)
         for i, block in enumerate(self.blocks):
             key = None if rng is None else jax.random.fold_in(rng, i)
@@ -265,7 +271,7 @@ class Decoder(nnx.Module):
         seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
         pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
         mask = segment_causal_mask(segment_ids, seg, positions, pos)
-        x = self.embed[...].astype(self.cfg.dtype)[tokens]
+        x = self.embed_tokens(tokens)
         layers = []
         for block, layer in zip(self.blocks, cache.layers, strict=True):
             x, layer = block.cached(x, positions, mask, layer, index)
