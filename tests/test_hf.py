@@ -67,11 +67,9 @@ def test_exported_tokenizer_and_chat_template_match_stagelm(micro_data, tmp_path
     assert config["eos_token_id"] == [tok.convert_tokens_to_ids("<|eos|>"), tok.convert_tokens_to_ids("<|end|>")]
 
 
-def save_hf_llama(micro_data, path, **overrides):
-    """A randomly initialised transformers Llama with the micro tokenizer, saved as safetensors."""
-    vocab = load_tokenizer(micro_data / "tokenizer/tokenizer.json").get_vocab_size()
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
+def tiny_llama(vocab: int, seed: int, **overrides):
+    """A randomly initialised micro-sized transformers Llama (untied, GQA)."""
+    settings = dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -81,10 +79,15 @@ def save_hf_llama(micro_data, path, **overrides):
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        **overrides,
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab, **{**settings, **overrides})).eval()
+
+
+def save_hf_llama(micro_data, path, **overrides):
+    """A randomly initialised transformers Llama with the micro tokenizer, saved as safetensors."""
+    vocab = load_tokenizer(micro_data / "tokenizer/tokenizer.json").get_vocab_size()
+    model = tiny_llama(vocab, 0, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     shutil.copyfile(micro_data / "tokenizer/tokenizer.json", path / "tokenizer.json")
     return model
@@ -125,20 +128,7 @@ def save_foreign_llama(micro_data, path):
         vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(read_raw(micro_data / "raw", "corpus_train").column("text").to_pylist(), trainer=trainer)
-    config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(tok.get_vocab_size(), 1, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
     model.save_pretrained(path, safe_serialization=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(

@@ -52,14 +52,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     return tok
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def read_tokenizer_file(path: str | Path, fix: str) -> Tokenizer:
+    """A tokenizer.json, or one line naming the file and `fix` (what to do) when it is missing or invalid."""
     path = Path(path)
     if not path.is_file():
-        raise StagelmError(f"{path}: tokenizer not found; run `dvc repro tokenizer`")
+        raise StagelmError(f"{path}: tokenizer not found; {fix}")
     try:
-        tok = Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(path))
     except Exception:
-        raise StagelmError(f"{path}: not a valid tokenizer.json; rerun `dvc repro tokenizer`") from None
+        raise StagelmError(f"{path}: not a valid tokenizer.json; {fix}") from None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A stagelm tokenizer: every special token present (at any id)."""
+    tok = read_tokenizer_file(path, "run `dvc repro tokenizer`")
     for special in SPECIAL_TOKENS:
         if tok.token_to_id(special) is None:
             raise StagelmError(f"{path}: special token {special} is missing; rebuild it with `dvc repro tokenizer`")
@@ -68,13 +74,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def adopt_tokenizer(path: str | Path) -> tuple[Tokenizer, list[str]]:
     """(a checkpoint's tokenizer.json with stagelm's specials it lacks appended, the tokens appended)."""
-    path = Path(path)
-    if not path.is_file():
-        raise StagelmError(f"{path}: missing; model.init_from needs the checkpoint's fast tokenizer (tokenizer.json)")
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception:
-        raise StagelmError(f"{path}: not a valid tokenizer.json") from None
+    tok = read_tokenizer_file(path, "model.init_from needs the checkpoint's fast tokenizer (tokenizer.json)")
     missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
     return tok, missing
