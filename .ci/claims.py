@@ -78,14 +78,23 @@ def eval_claims(params: dict) -> None:
         claim(Path(f"runs/report/{name}_loss.png").is_file(), f"report: a loss curve for {name}")
 
 
+def pooled(scores: dict, families: list[str]) -> tuple[float, float]:
+    """(accuracy, standard error) over the prompts of `families` in one format's scores."""
+    n = sum(scores[f]["n"] for f in families)
+    p = sum(scores[f]["accuracy"] * scores[f]["n"] for f in families) / n
+    return p, math.sqrt(p * (1 - p) / n)
+
+
 def sft_claims() -> None:
+    """SFT against pretraining on the families the SFT set teaches (word_limit is asked only in rl and eval)."""
     pre, sft = load("runs/eval/pretrain/metrics.json"), load("runs/eval/sft/metrics.json")
-    gain = sft["chat"]["accuracy"] - pre["accuracy"]
-    se = math.sqrt(sft["chat"]["accuracy_se"] ** 2 + pre["accuracy_se"] ** 2)
+    taught = sorted(load("data/raw/manifest.json")["families"]["sft"])
+    (a, a_se), (b, b_se) = pooled(sft["chat"], taught), pooled(pre[pre["accuracy_format"]], taught)
+    se = math.sqrt(a_se**2 + b_se**2)
     claim(
-        gain >= 3 * se,
-        f"sft: chat accuracy {sft['chat']['accuracy']:.3f} beats pretrain's best format "
-        f"({pre['accuracy_format']}) {pre['accuracy']:.3f} by {gain / se:.1f} standard errors of the difference (>= 3)",
+        a - b >= 3 * se,
+        f"sft: chat accuracy on {taught} {a:.3f} beats pretrain's best format "
+        f"({pre['accuracy_format']}) {b:.3f} by {(a - b) / se:.1f} standard errors of the difference (>= 3)",
     )
 
 
@@ -102,6 +111,21 @@ def grpo_claims(params: dict) -> None:
     rows = Path("runs/grpo/plots/metrics/rollout/reward.tsv").read_text().strip().splitlines()[1:]
     rollouts = params["grpo"]["steps"] // params["grpo"]["updates_per_rollout"]
     claim(len(rows) == rollouts, f"grpo: {len(rows)} rollouts' rewards logged (steps / updates_per_rollout)")
+    rewards = [float(r.split("\t")[1]) for r in rows]
+    quarter = max(len(rewards) // 4, 1)
+    first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    claim(last > first, f"grpo: the sampled reward rises (first quarter of rollouts {first:.3f}, last {last:.3f})")
+    sft, grpo = load("runs/eval/sft/metrics.json")["chat"], load("runs/eval/grpo/metrics.json")["chat"]
+    for family in sorted(k for k, v in grpo.items() if isinstance(v, dict)):
+        a, b = grpo[family], sft[family]
+        se = math.sqrt(a["accuracy_se"] ** 2 + b["accuracy_se"] ** 2)
+        diff = a["accuracy"] - b["accuracy"]
+        change = f"{b['accuracy']:.3f} → {a['accuracy']:.3f}, {diff / se if se else 0.0:+.1f} SE"
+        if family in params["grpo"]["families"]:
+            # Not a claim: the gain held on seeds 0 and 2 but not on seed 1 (README, GRPO).
+            print(f"info  grpo: targeted {family} {change} (the issue asks >= +2 over 3 seeds; not met)")
+        else:
+            claim(diff >= -se, f"grpo: holds sft's {family} ({change}; >= -1)")
 
 
 def benchmark_claims() -> None:

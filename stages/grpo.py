@@ -5,8 +5,10 @@
 
 The policy starts from `--model` and the reference is a frozen copy of it. Prompts
 are the rl task set's, in chat format, of the families in `grpo.families`; the
-rewards are the families' checkers (see stagelm.grpo). val/loss is the policy's
-next-token loss on the corpus val split: what RL costs the language model.
+rewards are the families' checkers (see stagelm.grpo). The anchor rows are the raw
+SFT conversations of the other families. With `grpo.method: lora` only adapters
+train and `<out>/model/` is the merged model. val/loss is the policy's next-token
+loss on the corpus val split: what RL costs the language model.
 """
 
 import argparse
@@ -24,6 +26,7 @@ from stagelm.generate import Generator
 from stagelm.grpo import Rollouts, grpo_loss
 from stagelm.hardware import describe_devices
 from stagelm.loader import PackedRows
+from stagelm.lora import add_lora, merge_lora
 from stagelm.model import count_params
 from stagelm.modelio import load_model, read_model_context, save_model
 from stagelm.provenance import now, write_provenance
@@ -62,18 +65,31 @@ def main() -> None:
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     model = load_model(args.model, mesh)  # sharded like training: rollouts run on the same mesh
+    trainable = nnx.Param
+    if cfg.method == "lora":  # the reference stays the base: adapters start at zero
+        model, trainable = add_lora(model, cfg.lora, nnx.Rngs(seed), "grpo.lora"), nnx.LoRAParam
     context = read_model_context(args.model)
     gen = Generator(model, load_tokenizer(tokenizer_file), context)
-    rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed)
+    # The anchor: SFT conversations of the families the reward does not target.
+    anchor = [c for c in read_raw(args.raw, "sft").to_pylist() if c["family"] not in cfg.families]
+    if cfg.anchor_coef > 0 and len(anchor) < cfg.anchor_rows:
+        raise StagelmError(
+            f"grpo.anchor_coef: {cfg.anchor_coef} needs {cfg.anchor_rows} (grpo.anchor_rows) SFT conversations "
+            f"outside grpo.families in {args.raw}, found {len(anchor)}; set it to 0"
+        )
+    if cfg.anchor_rows % jax.process_count():
+        raise StagelmError(f"grpo.anchor_rows: {cfg.anchor_rows} does not split over {jax.process_count()} processes")
+    rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed, anchor)
     longest = max(len(p) for p in rollouts.prompts)
     if longest + cfg.max_new_tokens > context:
         raise StagelmError(
             f"grpo.max_new_tokens: {cfg.max_new_tokens} plus the longest rl prompt ({longest} tokens) "
             f"exceed the model's context of {context}; lower it"
         )
+    n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, trainable)))
     print(
-        f"grpo: {count_params(model):,} params; {len(rollouts.tasks)} rl prompts of {list(cfg.families)}, "
-        f"{cfg.prompts_per_step}×{cfg.group_size} samples per rollout; fingerprint {fp}",
+        f"grpo ({cfg.method}): {n_train:,} of {count_params(model):,} params train; {len(rollouts.tasks)} rl prompts "
+        f"of {list(cfg.families)}, {cfg.prompts_per_step}×{cfg.group_size} samples per rollout; fingerprint {fp}",
         flush=True,
     )
     result = train(
@@ -86,18 +102,21 @@ def main() -> None:
         out_dir=args.out,
         checkpoint_root=args.checkpoints,
         fingerprint=fp,
-        loss_fn=grpo_loss(cfg.clip_eps, cfg.kl_coef),
+        loss_fn=grpo_loss(cfg.clip_eps, cfg.kl_coef, cfg.anchor_coef),
         eval_loss_fn=lm_loss,
         batches=rollouts,
+        trainable=trainable,
     )
-    extra = {"params_count": count_params(result.model), "context_len": context}
-    save_model(args.out / "model", result.model, tokenizer_file, extra)
+    final = merge_lora(result.model) if cfg.method == "lora" else result.model
+    extra = {"params_count": count_params(final), "context_len": context, "method": cfg.method}
+    save_model(args.out / "model", final, tokenizer_file, extra)
     if jax.process_index() == 0:
         extra = {
             "fingerprint": fp,
             "resumed_from": result.resumed_from,
             "devices": describe_devices(),
             "summary": result.summary,
+            "trainable_params": n_train,
         }
         write_provenance(args.out / "provenance.json", "grpo", read, inputs, started, extra)
     rewards = [r["rollout/reward"] for r in result.history if "rollout/reward" in r]

@@ -84,6 +84,7 @@ MICRO = {
         "eval_batches": 2,
         "log_every": 2,
         "checkpoint_every": 2,
+        "anchor_rows": 4,
     },
 }
 

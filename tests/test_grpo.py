@@ -11,7 +11,7 @@ from flax import nnx
 
 from stagelm.files import read_json
 from stagelm.grpo import graded_length, group_advantages, grpo_loss, token_logprobs
-from stagelm.model import Decoder, DecoderConfig
+from stagelm.model import Decoder, DecoderConfig, count_params
 from stagelm.modelio import load_model
 from stagelm.train import next_token_targets
 
@@ -90,6 +90,32 @@ def test_clipping_and_kl_by_hand():
     np.testing.assert_allclose(float(aux["kl"]), 5 * kl, rtol=1e-4)
 
 
+def test_anchor_term_by_hand():
+    """anchor_coef · mean k3 over the anchor rows' answer tokens, scaled to the rollout's token count."""
+    model = Decoder(CFG, nnx.Rngs(0))
+    batch, _ = rollout_batch(model)
+    batch["on_policy"] = jnp.ones_like(batch["advantages"])
+    anchor = {
+        "tokens": jnp.array([[1, 3, 4, 5, 0], [1, 6, 7, 8, 9]]),
+        "segment_ids": jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
+        "positions": jnp.array([[0, 1, 2, 3, 0], [0, 1, 2, 3, 4]]),
+        "loss_mask": jnp.array([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]),
+    }
+    inputs, targets, weights = next_token_targets(anchor)
+    logp = token_logprobs(model(inputs["tokens"], inputs["segment_ids"], inputs["positions"]), targets)
+    assert float(jnp.sum(weights)) == 6  # padding and the prompt tokens do not count
+    plain, weight, _ = grpo_loss(0.2, 0.0)(model, batch, None)
+    at_reference = {f"anchor_{k}": v for k, v in anchor.items()} | {"anchor_ref_logp": jnp.pad(logp, ((0, 0), (1, 0)))}
+    same, _, aux = grpo_loss(0.2, 0.0, anchor_coef=3.0)(model, batch | at_reference, None)
+    np.testing.assert_allclose(float(same), float(plain), atol=1e-6)  # no penalty at the reference
+    assert abs(float(aux["anchor_kl"])) < 1e-6
+    moved = at_reference | {"anchor_ref_logp": at_reference["anchor_ref_logp"] - 0.1}
+    loss, _, aux = grpo_loss(0.2, 0.0, anchor_coef=3.0)(model, batch | moved, None)
+    k3 = np.exp(-0.1) + 0.1 - 1
+    np.testing.assert_allclose(float(loss), float(plain) + 3.0 * k3 * float(weight), rtol=1e-5)
+    np.testing.assert_allclose(float(aux["anchor_kl"]) / float(weight), k3, rtol=1e-4)
+
+
 # --- the stage, as a process -----------------------------------------------------------------------------------
 
 
@@ -159,8 +185,11 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path):
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, method):
     change = {"steps": 12, "eval_every": 12, "checkpoint_every": 2, "updates_per_rollout": 2, "kl_coef": 0.05}
+    if method == "lora":  # adapters only, with the anchor term: its rows are drawn per (seed, rollout, update)
+        change |= {"method": "lora", "lr": 1e-3}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     for work in (killed, whole):
         work.mkdir()
@@ -173,7 +202,12 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path):
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
         np.testing.assert_array_equal(x, y)
     assert rewards_of(killed) == rewards_of(whole)
-    assert read_json(whole / "out/provenance.json")["stage"] == "grpo"
+    provenance = read_json(whole / "out/provenance.json")
+    assert provenance["stage"] == "grpo"
+    if method == "lora":  # the saved model is merged: an ordinary decoder, moved off the SFT weights
+        assert a.cfg.lora_rank == 0 and provenance["trainable_params"] < count_params(a)
+        before = jax.tree.leaves(nnx.state(load_model(policy)))
+        assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(nnx.state(a)), before, strict=True))
 
 
 @pytest.mark.slow
@@ -185,6 +219,14 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path):
         ({"families": ["poetry"]}, "grpo.families: unknown ['poetry']"),
         ({"checkpoint_every": 3, "updates_per_rollout": 2}, "grpo.checkpoint_every: 3 is not a multiple"),
         ({"max_new_tokens": 500}, "grpo.max_new_tokens: 500 plus the longest rl prompt"),
+        (
+            {"method": "lora", "lora": {"rank": 999, "alpha": 8.0, "dropout": 0.0, "targets": ["q"]}},
+            "grpo.lora.rank: 999",
+        ),
+        (
+            {"families": ["arithmetic", "uses_word", "word_limit"], "anchor_coef": 1.0},
+            "grpo.anchor_coef: 1.0 needs 4 (grpo.anchor_rows) SFT conversations outside grpo.families",
+        ),
     ],
 )
 def test_grpo_bad_params_fail_in_one_line(micro_data, policy, tmp_path, change, message, capsys):

@@ -4,7 +4,7 @@ import hashlib
 import json
 
 from stagelm import synthetic
-from stagelm.tasks import FAMILIES, arithmetic_task, check_answer, first_sentence, uses_word_task
+from stagelm.tasks import FAMILIES, arithmetic_task, check_answer, first_sentence, uses_word_task, word_limit_task
 
 
 def digest(generated: dict) -> str:
@@ -33,7 +33,7 @@ PINNED = "1883caffdc71ca55"
 def test_eval_problems_never_appear_in_training_sets_or_corpus():
     g = synthetic.generate(0, 3000, 2000, 1000, 1000)
     held = {t.prompt for t in g["eval"]}
-    assert len(held) == 2000 and {t.family for t in g["eval"]} == set(FAMILIES)
+    assert len(held) == 3000 and {t.family for t in g["eval"]} == set(FAMILIES)
     train_prompts = {t.prompt for t in g["rl"]} | {m["messages"][0]["content"] for m in g["sft"]}
     held_chat = {t.chat_prompt for t in g["eval"]}
     assert not held & train_prompts and not held_chat & train_prompts
@@ -42,6 +42,23 @@ def test_eval_problems_never_appear_in_training_sets_or_corpus():
     # The corpus writes facts as "a op b is c." lines and inside stories: neither form of a held-out problem appears.
     assert not [t for t in arithmetic_held if f"\n{t.prompt} " in "\n" + corpus or f". {t.prompt} " in corpus]
     assert not [t for t in g["eval"] if t.family == "uses_word" and t.prompt in corpus]
+
+
+def test_word_limit_is_asked_only_in_the_rl_and_eval_sets(monkeypatch):
+    g = synthetic.generate(0, 3000, 2000, 1000, 1000)
+    limits = [t for t in g["rl"] if t.family == "word_limit"]
+    assert len(limits) == 6 * len(synthetic.NAMES) * len(synthetic.PLACES) - 1000
+    assert len({t.prompt for t in limits}) == len(limits)  # each training-pool problem once
+    assert {t.spec["max_words"] for t in limits} == set(range(3, 9))
+    assert not [m for m in g["sft"] if m["family"] == "word_limit" or "Use at most" in m["messages"][0]["content"]]
+    corpus = "\n".join(g["corpus"])
+    assert "Use at most" not in corpus and not [t for t in limits if t.prompt in corpus]
+    # Its own random stream: everything else is what it is without the family.
+    monkeypatch.setattr(synthetic, "word_limit_problems", lambda: [])
+    without = synthetic.generate(0, 3000, 2000, 1000, 1000)
+    assert without["corpus"] == g["corpus"] and without["sft"] == g["sft"]
+    assert without["rl"] == [t for t in g["rl"] if t.family != "word_limit"]
+    assert without["eval"] == [t for t in g["eval"] if t.family != "word_limit"]
 
 
 def test_corpus_mixes_stories_arithmetic_and_constraints():
@@ -66,3 +83,11 @@ def test_checkers_accept_reference_answers_and_reject_wrong_ones():
     assert check_answer("uses_word", w.spec, "Mia found a cup.") == (True, False)  # no word
     assert check_answer("uses_word", w.spec, "Mia found a lamp") == (False, False)  # no period
     assert first_sentence(" Tom ran. Then he hid.\nnext") == "Tom ran."
+    limit = word_limit_task("Mia", "park", 4, "Mia ran home.")
+    assert check_answer("word_limit", limit.spec, " Mia ran to the park.") == (True, False)  # five words
+    assert check_answer("word_limit", limit.spec, " Mia ran to it. More words follow here.") == (True, True)
+    assert check_answer("word_limit", limit.spec, " Mia.") == (False, False)  # one word is not a sentence
+    assert check_answer("word_limit", limit.spec, " Mia ran home") == (False, False)
+    assert check_answer("word_limit", limit.spec, " 9 plus 40.") == (False, False)  # not a sentence of words
+    assert check_answer("word_limit", limit.spec, " cake to Lucy.") == (False, False)  # not capitalised
+    assert check_answer("word_limit", limit.spec, ' "Hi," said Mia.') == (True, True)

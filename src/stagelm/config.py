@@ -190,7 +190,7 @@ class SampleConfig:
             raise StagelmError("sample.prompts: expected a non-empty list of non-empty strings")
 
 
-FAMILIES = ("arithmetic", "uses_word")  # the task families (stagelm.tasks asks and checks them)
+FAMILIES = ("arithmetic", "uses_word", "word_limit")  # the task families (stagelm.tasks asks and checks them)
 LORA_TARGETS = ("q", "kv", "o", "gate_up", "down")  # the decoder's projections, by parameter name
 
 
@@ -199,14 +199,9 @@ class LoraConfig:
     rank: int = checked(POSITIVE)
     alpha: float = checked(POSITIVE)  # the adapter's output is scaled by alpha / rank (Hu et al., 2021)
     dropout: float = checked((lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
-    targets: list[str]
-
-    def __post_init__(self) -> None:
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        if unknown or not self.targets:
-            raise StagelmError(
-                f"sft.lora.targets: unknown {unknown or 'empty list'}; choose among {list(LORA_TARGETS)}"
-            )
+    targets: list[str] = checked(
+        (lambda v: bool(v) and set(v) <= set(LORA_TARGETS), f"a non-empty list drawn from {list(LORA_TARGETS)}")
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +289,8 @@ class GrpoConfig:
     format_weight: float = checked(NON_NEGATIVE)  # reward for a well-formed answer, added to correctness
     clip_eps: float = checked(FRACTION)
     kl_coef: float = checked(NON_NEGATIVE)
+    anchor_coef: float = checked(NON_NEGATIVE)  # weight of the KL to the reference on SFT rows (0: none)
+    anchor_rows: int = checked(POSITIVE)  # SFT rows per update for that term
     updates_per_rollout: int = checked(POSITIVE)
     lr: float = checked(POSITIVE)
     min_lr_ratio: float = checked(UNIT)
@@ -310,6 +307,8 @@ class GrpoConfig:
     log_every: int = checked(POSITIVE)  # execution settings, as in `training`
     checkpoint_every: int = checked(POSITIVE)
     keep_checkpoints: int = checked(POSITIVE)
+    method: str = checked(one_of("full", "lora"))  # lora: only adapters train; the saved model is merged
+    lora: LoraConfig
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.families if f not in FAMILIES]
@@ -448,7 +447,10 @@ def check_value(value: Any, hint: Any, key: str, check: tuple | None = None) -> 
     if origin is list:
         if not isinstance(value, list):
             raise StagelmError(f"{key}: expected a list, got {value!r}")
-        return tuple(check_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        items = tuple(check_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if check is not None and not check[0](items):
+            raise StagelmError(f"{key}: expected {check[1].format(type='list')}, got {value!r}")
+        return items
     words = {int: "int", float: "float", str: "string", bool: "bool"}[hint]
     ok = isinstance(value, hint) and not (hint is not bool and isinstance(value, bool))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

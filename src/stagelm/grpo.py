@@ -11,6 +11,12 @@ divided by their count. `updates_per_rollout` optimizer steps reuse each rollout
 first of them is on-policy, so its ratio is exactly 1 (old log-probs are the current
 ones, gradient stopped) and the loss is the plain policy-gradient loss.
 
+`anchor_coef` > 0 adds that weight times the mean k3 penalty over the assistant tokens
+of `anchor_rows` SFT conversations of the families the reward does not target, against
+the reference's log-probs of the same tokens: a regulariser in the manner of
+InstructGPT's PPO-ptx that holds the other families where SFT left them, without
+training on them (it is zero at the reference and cannot raise their likelihood).
+
 `Rollouts` is the train loop's batch source: it samples with the current parameters
 and derives each rollout's sampling key and prompts from the seed and the rollout
 index, so a run resumed from a checkpoint draws exactly what an uninterrupted run would.
@@ -30,7 +36,7 @@ from stagelm.config import GrpoConfig
 from stagelm.generate import Generator, Sampling
 from stagelm.sharding import to_host
 from stagelm.tasks import check_answer
-from stagelm.tokenizer import chat_prompt_ids
+from stagelm.tokenizer import chat_prompt_ids, chat_segments
 from stagelm.train import LossFn, next_token_targets
 
 
@@ -45,8 +51,14 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
 
 
-def grpo_loss(clip_eps: float, kl_coef: float) -> LossFn:
-    """The clipped-ratio loss with a KL penalty, over completion tokens; aux: kl, clip fraction, ratio."""
+def grpo_loss(clip_eps: float, kl_coef: float, anchor_coef: float = 0.0) -> LossFn:
+    """The clipped-ratio loss with a KL penalty, over completion tokens; aux: kl, clip fraction, ratio.
+
+    With `anchor_coef` > 0 the batch also carries anchor rows (`anchor_*`: SFT rows and
+    the reference's log-probs of their answer tokens) and the loss adds `anchor_coef`
+    times their mean k3 penalty, which holds the policy's answers to the prompts the
+    reward does not target where the reference had them.
+    """
 
     def loss(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple:
         inputs, targets, _ = next_token_targets(batch)
@@ -58,14 +70,29 @@ def grpo_loss(clip_eps: float, kl_coef: float) -> LossFn:
         ratio = jnp.exp(logp - old)
         clipped = jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps)
         policy = -jnp.minimum(ratio * adv, clipped * adv)
-        delta = batch["ref_logp"][:, 1:] - logp
-        kl = jnp.exp(delta) - delta - 1
+        kl = k3(batch["ref_logp"][:, 1:], logp)
         per_token = policy + kl_coef * kl
         was_clipped = (jnp.abs(ratio - 1) > clip_eps).astype(jnp.float32)
+        count = jnp.sum(mask)
         aux = {"kl": jnp.sum(kl * mask), "clip_fraction": jnp.sum(was_clipped * mask), "ratio": jnp.sum(ratio * mask)}
-        return jnp.sum(per_token * mask), jnp.sum(mask), aux
+        total = jnp.sum(per_token * mask)
+        if anchor_coef > 0:
+            rows = {k.removeprefix("anchor_"): v for k, v in batch.items() if k.startswith("anchor_")}
+            a_inputs, a_targets, a_weights = next_token_targets(rows)
+            a_logits = model(a_inputs["tokens"], a_inputs["segment_ids"], a_inputs["positions"], rng)
+            a_kl = jnp.sum(k3(rows["ref_logp"][:, 1:], token_logprobs(a_logits, a_targets)) * a_weights)
+            a_mean = a_kl / jnp.maximum(jnp.sum(a_weights), 1.0)
+            total += anchor_coef * a_mean * count  # the train loop divides by count
+            aux["anchor_kl"] = a_mean * count
+        return total, count, aux
 
     return loss
+
+
+def k3(ref_logp: jax.Array, logp: jax.Array) -> jax.Array:
+    """Schulman's k3 estimate of KL(policy ‖ reference) per token: e^(q−p) − (q−p) − 1 ≥ 0."""
+    delta = ref_logp - logp
+    return jnp.exp(delta) - delta - 1
 
 
 def graded_length(tokens: list[int], stopped: bool, ends_answer: np.ndarray) -> int:
@@ -82,8 +109,17 @@ def graded_length(tokens: list[int], stopped: bool, ends_answer: np.ndarray) -> 
 class Rollouts:
     """Batches of scored rollouts of the current policy, for `trainloop.train(batches=...)`."""
 
-    def __init__(self, cfg: GrpoConfig, gen: Generator, graphdef: Any, tasks: list[dict], seed: int):
+    def __init__(
+        self,
+        cfg: GrpoConfig,
+        gen: Generator,
+        graphdef: Any,
+        tasks: list[dict],
+        seed: int,
+        anchor: list[dict] | None = None,
+    ):
         self.cfg, self.gen, self.graphdef, self.seed = cfg, gen, graphdef, seed
+        self.anchor = anchor_set(gen.tokenizer, anchor) if cfg.anchor_coef > 0 else None
         self.tasks = [t for t in tasks if t["family"] in cfg.families]
         self.prompts = [chat_prompt_ids(gen.tokenizer, t["chat_prompt"]) for t in self.tasks]
         self.specs = [json.loads(t["spec"]) for t in self.tasks]
@@ -122,11 +158,21 @@ class Rollouts:
         else:
             self.batch["on_policy"] = np.zeros_like(self.batch["on_policy"])
             host = {}
+        batch = dict(self.batch)
+        if self.cfg.anchor_coef > 0:
+            batch.update(self.anchor_rows(self.rollout - 1, self.update))
         self.update = (self.update + 1) % self.cfg.updates_per_rollout
         # Every process draws the same rollout (same prompts, same keys) and trains on its share of the rows.
-        share = len(self.batch["tokens"]) // jax.process_count()
-        mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
-        return {k: v[mine] for k, v in self.batch.items()}, host
+        return {k: mine(v) for k, v in batch.items()}, host
+
+    def anchor_rows(self, rollout: int, update: int) -> dict[str, np.ndarray]:
+        """This update's anchor rows, drawn by (seed, rollout, update), with the reference's log-probs."""
+        rng = np.random.default_rng([self.seed, rollout, update])
+        chosen = np.sort(rng.choice(len(self.anchor["tokens"]), self.cfg.anchor_rows, replace=False))
+        out = {k: v[chosen] for k, v in self.anchor.items()}
+        args = (jnp.asarray(out["tokens"]), jnp.asarray(out["segment_ids"]), jnp.asarray(out["positions"]))
+        out["ref_logp"] = to_host(self._score(self.ref, *args))
+        return {f"anchor_{k}": v for k, v in out.items()}
 
     def draw(self, policy: Any) -> dict[str, float]:
         """Sample, score and lay out one rollout with the current policy; its host metrics."""
@@ -196,3 +242,21 @@ class Rollouts:
         if state["update"] != 0:
             raise ValueError("a GRPO checkpoint must fall between rollouts")
         self.rollout, self.update = state["rollout"], 0
+
+
+def anchor_set(tokenizer: Any, conversations: list[dict]) -> dict[str, np.ndarray]:
+    """SFT conversations as (n, width) rows: tokens, segment_ids (0 = padding), positions, loss_mask."""
+    encoded = [chat_segments(tokenizer, c["messages"]) for c in conversations]
+    width = max(len(ids) for ids, _ in encoded)
+    rows = {k: np.zeros((len(encoded), width), np.int32) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+    for i, (ids, mask) in enumerate(encoded):
+        n = len(ids)
+        rows["tokens"][i, :n], rows["loss_mask"][i, :n] = ids, mask
+        rows["segment_ids"][i, :n], rows["positions"][i, :n] = 1, np.arange(n)
+    return rows
+
+
+def mine(rows: np.ndarray) -> np.ndarray:
+    """This process's share of rows every process holds alike."""
+    share = len(rows) // jax.process_count()
+    return rows[jax.process_index() * share : (jax.process_index() + 1) * share]

@@ -23,7 +23,7 @@ from stagelm.model import Decoder
 PROJECTIONS = {"q": ("attn", 1), "kv": ("attn", 1), "o": ("attn", 2), "gate_up": ("mlp", 1), "down": ("mlp", 1)}
 
 
-def check_rank(model: Decoder, lora: LoraConfig) -> None:
+def check_rank(model: Decoder, lora: LoraConfig, key: str) -> None:
     """Fail naming the key when the rank exceeds a targeted projection's smaller side."""
     block = model.blocks[0]
     for name in lora.targets:
@@ -31,12 +31,15 @@ def check_rank(model: Decoder, lora: LoraConfig) -> None:
         shape = getattr(getattr(block, part), name).shape
         width = min(math.prod(shape[:in_dims]), math.prod(shape[in_dims:]))
         if lora.rank > width:
-            raise StagelmError(f"sft.lora.rank: {lora.rank} exceeds the width {width} of projection {name!r}; lower it")
+            raise StagelmError(f"{key}.rank: {lora.rank} exceeds the width {width} of projection {name!r}; lower it")
 
 
-def add_lora(base: Decoder, lora: LoraConfig, rngs: nnx.Rngs) -> Decoder:
-    """A copy of `base` with LoRA adapters on `lora.targets` (the model's output is unchanged: B = 0)."""
-    check_rank(base, lora)
+def add_lora(base: Decoder, lora: LoraConfig, rngs: nnx.Rngs, key: str = "sft.lora") -> Decoder:
+    """A copy of `base` with LoRA adapters on `lora.targets` (the model's output is unchanged: B = 0).
+
+    `key` names the params section the settings came from, for the error a bad rank gets.
+    """
+    check_rank(base, lora, key)
     cfg = dataclasses.replace(
         base.cfg,
         lora_rank=lora.rank,

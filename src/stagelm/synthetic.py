@@ -1,7 +1,8 @@
 """The synthetic source: a corpus and task sets generated from `data.seed`.
 
-Everything comes from one `random.Random(seed)`, whose stream CPython keeps stable
-across platforms and versions, so the output is byte-identical on every machine.
+Everything comes from `random.Random(seed)` (the word_limit family from a second
+stream of the same seed), whose stream CPython keeps stable across platforms and
+versions, so the output is byte-identical on every machine.
 
 The corpus mixes templated short stories (characters, places, objects, dialogue,
 small sums told in words), arithmetic sheets in the completion format of
@@ -14,7 +15,7 @@ the SFT set or the RL set.
 import random
 from collections.abc import Callable
 
-from stagelm.tasks import Task, arithmetic_task, uses_word_task
+from stagelm.tasks import Task, arithmetic_task, uses_word_task, word_limit_task
 
 # fmt: off
 NAMES = [
@@ -55,6 +56,10 @@ def uses_word_problems() -> list[Problem]:
     return [(n, w, k) for n in NAMES for w in OBJECTS for k in range(5, 13)]
 
 
+def word_limit_problems() -> list[Problem]:
+    return [(n, p, k) for n in NAMES for p in PLACES for k in range(3, 9)]
+
+
 def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random) -> tuple[list, list]:
     """(held out, training pool): a seeded shuffle, the first `n_held_out` held out."""
     order = list(problems)
@@ -87,6 +92,30 @@ def constrained_sentence(rng: random.Random, name: str, word: str, max_words: in
         adj=rng.choice(ADJECTIVES),
         color=rng.choice(COLORS),
         place=rng.choice(PLACES),
+        time=rng.choice(TIMES),
+    )
+
+
+_WORD_LIMIT_TEMPLATES = [
+    "{name} smiled.",
+    "{name} was {feel}.",
+    "{name} ran to the {place}.",
+    "{name} liked the {adj} {place}.",
+    "{name} played at the {place} today.",
+    "{name} saw a {animal} at the {place}.",
+    "{name} walked to the {place} one {time}.",
+]
+
+
+def limited_sentence(rng: random.Random, name: str, place: str, max_words: int) -> str:
+    """A reference answer: a sentence about `name` at `place` in at most `max_words` words."""
+    template = rng.choice([t for t in _WORD_LIMIT_TEMPLATES if len(t.split()) <= max_words])
+    return template.format(
+        name=name,
+        place=place,
+        feel=rng.choice(FEELINGS),
+        adj=rng.choice(ADJECTIVES),
+        animal=rng.choice(ANIMALS),
         time=rng.choice(TIMES),
     )
 
@@ -190,4 +219,11 @@ def generate(seed: int, num_documents: int, num_sft: int, num_rl: int, num_eval:
     ]
     rl = [training_task() for _ in range(num_rl)]
     evals = [arithmetic_task(*p) for p in held_arith] + [uses_word_from(rng, p) for p in held_words]
+
+    # word_limit is asked only in the rl and eval sets, from its own stream, so the
+    # corpus, the SFT set and the other families' prompts do not depend on it.
+    limit_rng = random.Random(f"{seed}:word_limit")
+    held_limits, limits = split_problems(word_limit_problems(), num_eval, limit_rng)
+    rl += [word_limit_task(*p, limited_sentence(limit_rng, *p)) for p in limits]
+    evals += [word_limit_task(*p, limited_sentence(limit_rng, *p)) for p in held_limits]
     return {"corpus": corpus, "sft": sft, "rl": rl, "eval": evals}

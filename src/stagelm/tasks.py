@@ -1,6 +1,6 @@
 """Task families: how each task is asked and how a program checks the answer.
 
-Two families, fixed so later stages never need to change the data stage:
+Three families, fixed so later stages never need to change the data stage:
 
 - `arithmetic`: addition and subtraction of numbers 0-99 (subtraction never goes
   below zero). Completion format, as the corpus writes it: `23 plus 58 is` → ` 81.`;
@@ -9,6 +9,14 @@ Two families, fixed so later stages never need to change the data stage:
   `A sentence about Mia with the word "lamp" in at most 8 words:` → ` Mia found a lamp.`;
   the chat user turn asks the same. The checker accepts any sentence that contains
   the word and has at most that many words, so answers vary and a program verifies them.
+- `word_limit`: a length instruction, checked the way IFEval checks its instructions
+  (only the instruction, not the topic). Chat: `Write a sentence about Mia at the
+  park. Use at most 4 words.` → `Mia ran to the park.` fails, `Mia ran home.`
+  passes; the answer must be a sentence of words, capitalised and without digits
+  (`9 plus 40.` and `cake to Lucy.` fail).
+  Completion format: `A sentence about Mia at the park in at most 4 words:`.
+  Only the rl and eval sets ask it: no corpus document and no SFT conversation does,
+  so it measures what RL with a checkable reward adds to instructions SFT never showed.
 
 An answer is the completion's first sentence (up to and including the first period).
 """
@@ -55,6 +63,17 @@ def uses_word_task(name: str, word: str, max_words: int, sentence: str) -> Task:
     )
 
 
+def word_limit_task(name: str, place: str, max_words: int, sentence: str) -> Task:
+    return Task(
+        family="word_limit",
+        prompt=f"A sentence about {name} at the {place} in at most {max_words} words:",
+        chat_prompt=f"Write a sentence about {name} at the {place}. Use at most {max_words} words.",
+        answer=f" {sentence}",
+        chat_answer=sentence,
+        spec={"max_words": max_words},
+    )
+
+
 def first_sentence(completion: str) -> str:
     """The part of a completion that is graded: up to the first period, on the first line."""
     line = completion.strip().split("\n", 1)[0]
@@ -77,4 +96,11 @@ def check_answer(family: str, spec: dict[str, Any], completion: str) -> tuple[bo
         bare = {w.strip('.,!?;:"').lower() for w in words}
         correct = well_formed and spec["word"].lower() in bare and len(words) <= spec["max_words"]
         return well_formed, correct
+    if family == "word_limit":
+        words = sentence.split()
+        # A sentence of words: capitalised, no digits ("9 plus 40." and "cake to Lucy." are not).
+        wordlike = all(w.strip('.,!?;:"').isalpha() for w in words)
+        capitalised = words[0].strip('"').istitle() if words else False
+        well_formed = sentence.endswith(".") and len(words) >= 2 and wordlike and capitalised
+        return well_formed, well_formed and len(words) <= spec["max_words"]
     raise ValueError(f"unknown task family {family!r}; expected one of {FAMILIES}")
