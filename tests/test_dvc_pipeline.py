@@ -12,6 +12,7 @@ import pytest
 import yaml
 from conftest import env_with_venv, make_project, micro_params, run, write_params
 
+from stagelm.config import FAMILIES
 from stagelm.files import read_json
 from stagelm.generate import load_generator
 from stagelm.loader import PackedRows
@@ -59,13 +60,14 @@ def test_full_repro_produced_every_artifact(project):
     for stage in ("data/raw", "data/tokenizer", "data/packed", "runs/pretrain", "runs/eval/pretrain"):
         assert read_json(project / stage / "provenance.json")["git"]["commit"]
     ev = read_json(project / "runs/eval/pretrain/metrics.json")
-    assert ev["accuracy_format"] in ("completion", "chat") and ev["completion"]["n"] == ev["chat"]["n"] == 80
+    held_out = micro_params()["data"]["num_eval"] * len(FAMILIES)  # per family × every family
+    assert ev["accuracy_format"] in ("completion", "chat") and ev["completion"]["n"] == ev["chat"]["n"] == held_out
     assert ev["perplexity"] == pytest.approx(math.exp(ev["val_loss"]))
     seg = PackedRows(project / "data/packed/val").all_rows()["segment_ids"]
     pieces = sum(len(set(row[row > 0].tolist())) for row in seg)
     assert ev["val_tokens"] == (seg > 0).sum() - pieces  # every target of the whole val split, once
     predictions = (project / "runs/eval/pretrain/predictions.jsonl").read_text().splitlines()
-    assert len(predictions) == 160
+    assert len(predictions) == 2 * held_out  # both formats
     samples = [json.loads(line) for line in (project / "runs/samples/pretrain.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in samples] == micro_params()["sample"]["prompts"]
     report = (project / "runs/report.md").read_text()
@@ -232,7 +234,7 @@ def test_queued_experiments_both_finish_and_differ(project):
     revs = [r for e in shown[1]["experiments"] for r in e["revs"]]
     by_name = {r["name"]: r["data"]["metrics"]["runs/eval/pretrain/metrics.json"]["data"] for r in revs}
     assert set(by_name) == {"eval10", "eval20"}
-    assert (by_name["eval10"]["chat"]["n"], by_name["eval20"]["chat"]["n"]) == (20, 40)  # per family × 2 families
+    assert (by_name["eval10"]["chat"]["n"], by_name["eval20"]["chat"]["n"]) == (10 * len(FAMILIES), 20 * len(FAMILIES))
 
 
 def test_plots_page_has_the_loss_curves(project):
