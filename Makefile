@@ -17,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 repro: setup
 	dvc repro
 
+# Two xdist workers (one per core): most of the suite's time is single-threaded (stage
+# processes starting, DVC, XLA compiles). --dist loadfile keeps each test file on one
+# worker, so a module's session fixtures (the DVC tests' built micro project) are built once.
 test: setup
-	pytest -q --durations=15
+	pytest -q -n 2 --dist loadfile --durations=15
 
 lint: setup
 	ruff check . && ruff format --check .

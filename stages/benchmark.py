@@ -3,8 +3,10 @@
     python stages/benchmark.py --params params.yaml --packed data/packed/train --out runs/benchmark
 
 Times the `benchmark` section's decoder (random weights and tokens) after warm-up,
-`benchmark.repetitions` times each, and writes medians under stable keys to
-`<out>/metrics.json`, every raw sample to `<out>/samples.jsonl`, and provenance.
+`benchmark.repetitions` times each (naive full-prefix decoding, the slow reference the
+KV cache is measured against, `benchmark.naive_repetitions` times), and writes medians
+under stable keys to `<out>/metrics.json`, every raw sample to `<out>/samples.jsonl`,
+and provenance.
 MFU is measured against a large jitted matmul timed in the same run and, on a
 device with a published peak (hardware.PEAK_FLOPS), against that peak too. When torch
 is importable, the same shape in plain PyTorch (stagelm.torch_peer) is timed in the
@@ -57,7 +59,7 @@ def main() -> None:
     tokens_per_step = cfg.seq_len * cfg.batch_size
     samples["train.tokens_per_sec"] = [tokens_per_step / s for s in train["step_seconds"]]
     for batch in (1, 8):
-        decode = bench_decode(model, batch, cfg.prompt_len, cfg.new_tokens, warm, reps, naive=True)
+        decode = bench_decode(model, batch, cfg.prompt_len, cfg.new_tokens, warm, reps, cfg.naive_repetitions)
         for kind in ("cached", "naive"):
             samples[f"decode.{kind}_b{batch}.tokens_per_sec"] = [
                 batch * cfg.new_tokens / s for s in decode[f"{kind}_seconds"]

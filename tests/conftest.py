@@ -2,15 +2,29 @@
 
 Eight simulated CPU devices are requested before JAX is imported anywhere, so the
 sharding tests can build real meshes; single-device tests use a one-device mesh.
+
+One persistent JAX compilation cache serves the whole session: this process, the
+pytest-xdist workers (they inherit the environment) and every stage subprocess the
+tests start. A stage run again on the same shapes (a resume, a `dvc repro` after a
+params change) then loads its executables instead of compiling them; the results are
+the same executables, so every bitwise comparison still holds. The cache starts empty
+each session and is removed at its end.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session makes it
+    _cache = tempfile.mkdtemp(prefix="stagelm-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # micro shapes compile in well under 1 s
 
 import copy
 import runpy
-import shutil
 import signal
 import subprocess
 import sys

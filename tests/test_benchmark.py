@@ -61,12 +61,14 @@ def test_benchmark_stage_writes_stable_keys_and_raw_samples(micro_data, tmp_path
     env = metrics["environment"]
     assert env["backend"] == "cpu" and env["device_count"] >= 1 and env["jax"] and env["threads"] >= 1
     assert "commit" in metrics  # None here: the work dir is no git checkout (the pipeline test has one)
-    reps = params["benchmark"]["repetitions"]
+    reps, naive_reps = params["benchmark"]["repetitions"], params["benchmark"]["naive_repetitions"]
     samples = [json.loads(line) for line in (tmp_path / "out/samples.jsonl").read_text().splitlines()]
     by_measure = {}
     for s in samples:
         by_measure.setdefault(s["measure"], []).append(s["value"])
-    assert all(len(v) == reps for v in by_measure.values())
+    naive = {f"decode.naive_b{b}.tokens_per_sec" for b in (1, 8)}
+    assert naive < set(by_measure) and naive_reps < reps
+    assert all(len(v) == (naive_reps if name in naive else reps) for name, v in by_measure.items())
     steps = sorted(by_measure["train.step_seconds"])
     assert metrics["summaries"]["train.step_seconds"]["median"] == pytest.approx((steps[4] + steps[5]) / 2)
     assert metrics["summaries"]["train.step_seconds"]["min"] == steps[0]

@@ -57,6 +57,11 @@ def matmul_flops(n: int, dtype: str, warmup: int, reps: int) -> list[float]:
     return [2 * n**3 / s for s in timed(lambda: mm(a, b).block_until_ready(), warmup, reps)]
 
 
+def matmul_gflops(n: int = 2048, reps: int = 10) -> int:
+    """Median GFLOP/s of an (n, n) fp32 matmul: one number that tells a fast machine from a slow one."""
+    return round(float(np.median(matmul_flops(n, "float32", 2, reps))) / 1e9)
+
+
 def bench_optimizer(steps: int) -> TrainingConfig:
     """AdamW at a constant lr, decay on every matrix: what a pretraining step costs."""
     return TrainingConfig(
@@ -109,9 +114,9 @@ def bench_train(cfg: DecoderConfig, seq_len: int, batch: int, warmup: int, reps:
 
 
 def bench_decode(
-    cfg: DecoderConfig, batch: int, prompt_len: int, new_tokens: int, warmup: int, reps: int, naive: bool
+    cfg: DecoderConfig, batch: int, prompt_len: int, new_tokens: int, warmup: int, reps: int, naive_reps: int = 0
 ) -> dict[str, list[float]]:
-    """Seconds per greedy generation of `new_tokens` (cached, and naive full-prefix when asked) and per prefill."""
+    """Seconds per greedy generation of `new_tokens` (cached; naive full-prefix `naive_reps` times) and per prefill."""
     from tokenizers import Tokenizer, models
 
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
@@ -121,8 +126,8 @@ def bench_decode(
     out = {"cached_seconds": timed(lambda: gen.generate(prompts, new_tokens, until_stop=False), warmup, reps)}
     layout = gen.layout(prompts, new_tokens)
     out["prefill_seconds"] = timed(lambda: jax.block_until_ready(gen._prefill(gen.params, *layout)), warmup, reps)
-    if naive:
-        out["naive_seconds"] = timed(lambda: gen.naive_generate(prompts, new_tokens), 1, reps)
+    if naive_reps:
+        out["naive_seconds"] = timed(lambda: gen.naive_generate(prompts, new_tokens), 1, naive_reps)
     return out
 
 
