@@ -87,3 +87,13 @@ def test_benchmark_bad_params_fail_in_one_line(micro_data, tmp_path, capsys):
     (line,) = stderr.strip().splitlines()
     assert "benchmark.repetitions: expected an int >= 10" in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_benchmark_needs_a_naive_repetition(micro_data, tmp_path, capsys):
+    write_params(tmp_path / "params.yaml", micro_params(benchmark={"naive_repetitions": 0}))
+    code, stderr = run_in_process(benchmark_command(micro_data, tmp_path), capsys)
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
+    assert line == "error: benchmark.naive_repetitions: expected a positive int, got 0"
+    assert not (tmp_path / "out").exists()
