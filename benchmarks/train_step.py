@@ -19,7 +19,7 @@ from flax import nnx
 
 from stagelm.benchmark import bench_optimizer
 from stagelm.model import Decoder, DecoderConfig, flops_per_token
-from stagelm.train import init_state, make_optimizer, make_train_step
+from stagelm.trainstep import init_state, make_optimizer, make_train_step
 
 PRESETS = {
     "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688, seq_len=256, batch=16),

@@ -13,10 +13,8 @@ is importable, the same shape in plain PyTorch (stagelm.torch_peer) is timed in 
 same run and the ratios are recorded under `torch`; without it that part is skipped.
 """
 
-import argparse
 import importlib.util
 import json
-from pathlib import Path
 
 import jax
 
@@ -32,22 +30,19 @@ from stagelm.benchmark import (
     mfu,
     summary,
 )
-from stagelm.config import load_section, read_params, section_dict
+from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
 from stagelm.files import atomic_write_bytes, write_json
 from stagelm.hardware import peak_flops
 from stagelm.loader import PackedRows
-from stagelm.provenance import git_state, now, write_provenance
+from stagelm.provenance import git_state
+from stagelm.stage import start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--packed", required=True, type=Path, help="a packed split, for the loader figure")
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args()
-    started = now()
-    cfg = load_section(read_params(args.params), "benchmark")
+    stage = start(__doc__, "packed", "out")  # --packed: a packed split, for the loader figure
+    args = stage.args
+    cfg = load_section(stage.params, "benchmark")
     rows = PackedRows(args.packed)
     model = decoder_config(cfg)
     warm, reps = cfg.warmup, cfg.repetitions
@@ -137,14 +132,8 @@ def main() -> None:
         ]
         atomic_write_bytes(args.out / "samples.jsonl", ("\n".join(lines) + "\n").encode())
         write_json(args.out / "metrics.json", metrics)
-        write_provenance(
-            args.out / "provenance.json",
-            "benchmark",
-            {"benchmark": section_dict(cfg)},
-            {"packed": args.packed / "manifest.json"},
-            started,
-            {"environment": metrics["environment"]},
-        )
+        read, inputs = {"benchmark": section_dict(cfg)}, {"packed": args.packed / "manifest.json"}
+        stage.record(args.out / "provenance.json", read, inputs, {"environment": metrics["environment"]})
     d = metrics["decode"]
     print(
         f"benchmark: train {train_tps:,.0f} tok/s (first call {train['first_call_seconds']:.1f} s, "

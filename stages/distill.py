@@ -9,40 +9,25 @@ the SFT conversations (assistant tokens only) or both. val/loss is the student's
 next-token loss on the corpus val split.
 """
 
-import argparse
 import dataclasses
-from pathlib import Path
 
-import jax
 from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.config import load_section, load_seed, section_dict
 from stagelm.distill import STUDENT, Distiller, distill_loss, student_lm_loss
-from stagelm.distributed import initialize
 from stagelm.errors import StagelmError, run_main
-from stagelm.files import sha256_file
-from stagelm.hardware import describe_devices
 from stagelm.loader import MixedRows, PackedRows
 from stagelm.model import Decoder, count_params
-from stagelm.modelio import load_model, read_model_config, read_model_context, save_model
-from stagelm.provenance import now, write_provenance
-from stagelm.sharding import make_mesh
-from stagelm.trainloop import train
+from stagelm.modeldir import load_model, read_model_config, read_model_context, save_model
+from stagelm.trainloop import record_training, start_training, train
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    for flag in ("--teacher", "--corpus", "--sft", "--val", "--out", "--checkpoints"):
-        parser.add_argument(flag, required=True, type=Path)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args()
-    initialize()  # joins jax.distributed when launched as one of several processes
-    started = now()
-    params = read_params(args.params)
-    cfg = load_section(params, "distill")
-    mesh_cfg = load_section(params, "mesh")
-    seed = load_seed(params)
+    stage, mesh = start_training(__doc__, "teacher", "corpus", "sft", "val", "out", "checkpoints")
+    args = stage.args
+    cfg = load_section(stage.params, "distill")
+    seed = load_seed(stage.params)
 
     teacher_cfg = read_model_config(args.teacher)
     student = cfg.student
@@ -54,9 +39,8 @@ def main() -> None:
     tokenizer = args.teacher / "tokenizer.json"
     splits = {"corpus": [args.corpus], "sft": [args.sft], "both": [args.corpus, args.sft]}[cfg.data]
     packed = [PackedRows(d) for d in splits]
-    for split_dir, rows in zip(splits, packed, strict=True):
-        if rows.manifest["tokenizer_sha256"] != sha256_file(tokenizer):
-            raise StagelmError(f"{split_dir}: packed with another tokenizer than {args.teacher}'s; rerun `dvc repro`")
+    for rows in packed:
+        rows.require_tokenizer(tokenizer)
     rows, val_rows = MixedRows(packed), PackedRows(args.val)
 
     read = {"distill": section_dict(cfg), "seed": seed}
@@ -64,9 +48,7 @@ def main() -> None:
     inputs.update({f"data_{i}": d / "manifest.json" for i, d in enumerate(splits)})
     fp = stage_fingerprint(__file__, read, inputs)
 
-    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
-    shape = {k: v for k, v in section_dict(student).items() if k != "vocab_size"}
-    student_cfg = dataclasses.replace(teacher_cfg, **shape)
+    student_cfg = dataclasses.replace(teacher_cfg, **student.shape())
     model = Distiller(Decoder(student_cfg, nnx.Rngs(seed)), load_model(args.teacher))
     n_student, n_teacher = count_params(model.student), count_params(model.teacher)
     print(
@@ -76,7 +58,7 @@ def main() -> None:
     )
     result = train(
         model,
-        cfg.training(),
+        cfg,
         rows,
         val_rows,
         seed=seed,
@@ -91,16 +73,7 @@ def main() -> None:
     final = result.model.student
     extra = {"params_count": n_student, "context_len": read_model_context(args.teacher), "teacher": str(args.teacher)}
     save_model(args.out / "model", final, tokenizer, extra)
-    if jax.process_index() == 0:
-        extra = {
-            "fingerprint": fp,
-            "resumed_from": result.resumed_from,
-            "devices": describe_devices(),
-            "summary": result.summary,
-            "student_params": n_student,
-            "teacher_params": n_teacher,
-        }
-        write_provenance(args.out / "provenance.json", "distill", read, inputs, started, extra)
+    record_training(stage, result, fp, read, inputs, student_params=n_student, teacher_params=n_teacher)
     s = result.summary
     print(f"distill: done at step {s['step']}: train loss {s['train_loss']:.4f}, student val loss {s['val_loss']:.4f}")
 

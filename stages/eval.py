@@ -7,44 +7,36 @@
 model) picks which accuracy is the overall `accuracy`.
 """
 
-import argparse
 import json
-from pathlib import Path
 
 import jax
 
-from stagelm.config import load_section, read_params, section_dict
-from stagelm.errors import StagelmError, run_main
+from stagelm.config import load_section, section_dict
+from stagelm.errors import run_main
 from stagelm.evaluation import FORMATS, answer_tasks, limit_per_family, task_metrics, task_prompts, val_metrics
-from stagelm.files import atomic_write_bytes, sha256_file, write_json
+from stagelm.files import atomic_write_bytes, write_json
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows
-from stagelm.modelio import load_model, read_model_context
-from stagelm.provenance import now, write_provenance
+from stagelm.modeldir import load_model, read_model_context
 from stagelm.rawdata import read_raw
 from stagelm.sharding import make_mesh
+from stagelm.stage import start
 from stagelm.tokenizer import load_tokenizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    for flag in ("--model", "--val", "--raw", "--out"):
-        parser.add_argument(flag, required=True, type=Path)
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--format", required=True, choices=("best", "chat"))
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args()
-    started = now()
-    params = read_params(args.params)
-    cfg = load_section(params, "eval")
-    mesh_cfg = load_section(params, "mesh")
+    options = {"name": {"required": True}, "format": {"required": True, "choices": ("best", "chat")}}
+    stage = start(__doc__, "model", "val", "raw", "out", options=options)
+    args = stage.args
+    stage.name = f"eval@{args.name}"
+    cfg = load_section(stage.params, "eval")
+    mesh_cfg = load_section(stage.params, "mesh")
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     tok = load_tokenizer(args.model / "tokenizer.json")
     model = load_model(args.model, mesh)
     rows = PackedRows(args.val)
-    if rows.manifest["tokenizer_sha256"] != sha256_file(args.model / "tokenizer.json"):
-        raise StagelmError(f"{args.val}: packed with another tokenizer than {args.model}'s; rerun `dvc repro`")
+    rows.require_tokenizer(args.model / "tokenizer.json")
     with jax.set_mesh(mesh):
         metrics = val_metrics(model, rows, tok, cfg.batch_size, cfg.max_batches, mesh)
     tasks = limit_per_family(read_raw(args.raw, "eval").to_pylist(), cfg.max_examples)
@@ -63,7 +55,7 @@ def main() -> None:
         atomic_write_bytes(args.out / "predictions.jsonl", lines.encode())
         inputs = {"model": args.model, "val": args.val / "manifest.json", "eval_tasks": args.raw / "eval.parquet"}
         read = {"eval": section_dict(cfg), "format": args.format}
-        write_provenance(args.out / "provenance.json", f"eval@{args.name}", read, inputs, started)
+        stage.record(args.out / "provenance.json", read, inputs)
     print(
         f"eval@{args.name}: val loss {metrics['val_loss']:.4f}, bits/byte {metrics['bits_per_byte']:.4f}, "
         f"accuracy {metrics['accuracy']:.3f} ± {metrics['accuracy_se']:.3f} ({metrics['accuracy_format']}; "

@@ -6,22 +6,16 @@ Writes what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretraine
 load (see stagelm.hf), plus provenance.json.
 """
 
-import argparse
-from pathlib import Path
-
 from stagelm.errors import run_main
 from stagelm.hf import export_hf
-from stagelm.provenance import now, write_provenance
+from stagelm.stage import start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    started = now()
+    stage = start(__doc__, "model", "out")
+    args = stage.args
     export_hf(args.model, args.out)
-    write_provenance(args.out / "provenance.json", "export", {}, {"model": args.model / "params"}, started)
+    stage.record(args.out / "provenance.json", {}, {"model": args.model / "params"})
     print(f"export: {args.model} → {args.out}")
 
 

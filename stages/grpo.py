@@ -11,49 +11,33 @@ train and `<out>/model/` is the merged model. val/loss is the policy's next-toke
 loss on the corpus val split: what RL costs the language model.
 """
 
-import argparse
-from pathlib import Path
-
 import jax
 from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import load_section, load_seed, read_params, section_dict
-from stagelm.distributed import initialize
+from stagelm.config import load_section, load_seed, section_dict
 from stagelm.errors import StagelmError, run_main
-from stagelm.files import sha256_file
 from stagelm.generate import Generator
 from stagelm.grpo import Rollouts, grpo_loss
-from stagelm.hardware import describe_devices
 from stagelm.loader import PackedRows
 from stagelm.lora import add_lora, merge_lora
 from stagelm.model import count_params
-from stagelm.modelio import load_model, read_model_context, save_model
-from stagelm.provenance import now, write_provenance
+from stagelm.modeldir import load_model, read_model_context, save_model
 from stagelm.rawdata import read_raw
-from stagelm.sharding import make_mesh
 from stagelm.tokenizer import load_tokenizer
-from stagelm.train import lm_loss
-from stagelm.trainloop import train
+from stagelm.trainloop import record_training, start_training, train
+from stagelm.trainstep import lm_loss
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    for flag in ("--model", "--raw", "--val", "--out", "--checkpoints"):
-        parser.add_argument(flag, required=True, type=Path)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args()
-    initialize()  # joins jax.distributed when launched as one of several processes
-    started = now()
-    params = read_params(args.params)
-    cfg = load_section(params, "grpo")
-    mesh_cfg = load_section(params, "mesh")
-    seed = load_seed(params)
+    stage, mesh = start_training(__doc__, "model", "raw", "val", "out", "checkpoints")
+    args = stage.args
+    cfg = load_section(stage.params, "grpo")
+    seed = load_seed(stage.params)
 
     tokenizer_file = args.model / "tokenizer.json"
     val_rows = PackedRows(args.val)
-    if val_rows.manifest["tokenizer_sha256"] != sha256_file(tokenizer_file):
-        raise StagelmError(f"{args.val}: packed with another tokenizer than {args.model}'s; rerun `dvc repro`")
+    val_rows.require_tokenizer(tokenizer_file)
     tasks = read_raw(args.raw, "rl").to_pylist()
     if not any(t["family"] in cfg.families for t in tasks):
         found = sorted({t["family"] for t in tasks})
@@ -63,7 +47,6 @@ def main() -> None:
     inputs = {"model": args.model / "params", "rl": args.raw / "manifest.json", "val": args.val / "manifest.json"}
     fp = stage_fingerprint(__file__, read, inputs)
 
-    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     model = load_model(args.model, mesh)  # sharded like training: rollouts run on the same mesh
     trainable = nnx.Param
     if cfg.method == "lora":  # the reference stays the base: adapters start at zero
@@ -94,7 +77,7 @@ def main() -> None:
     )
     result = train(
         model,
-        cfg.training(),
+        cfg,
         None,
         val_rows,
         seed=seed,
@@ -110,15 +93,7 @@ def main() -> None:
     final = merge_lora(result.model) if cfg.method == "lora" else result.model
     extra = {"params_count": count_params(final), "context_len": context, "method": cfg.method}
     save_model(args.out / "model", final, tokenizer_file, extra)
-    if jax.process_index() == 0:
-        extra = {
-            "fingerprint": fp,
-            "resumed_from": result.resumed_from,
-            "devices": describe_devices(),
-            "summary": result.summary,
-            "trainable_params": n_train,
-        }
-        write_provenance(args.out / "provenance.json", "grpo", read, inputs, started, extra)
+    record_training(stage, result, fp, read, inputs, trainable_params=n_train)
     rewards = [r["rollout/reward"] for r in result.history if "rollout/reward" in r]
     print(f"grpo: done at step {result.summary['step']}: reward {rewards[0]:.3f} → {rewards[-1]:.3f}")
 

@@ -3,27 +3,19 @@
 python stages/pack.py --params params.yaml --raw data/raw --tokenizer data/tokenizer --out data/packed
 """
 
-import argparse
-from pathlib import Path
-
-from stagelm.config import load_section, read_params, section_dict
+from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
 from stagelm.files import sha256_file
 from stagelm.pack import pack_chats, pack_corpus, write_split
-from stagelm.provenance import now, write_provenance
 from stagelm.rawdata import read_raw
+from stagelm.stage import start
 from stagelm.tokenizer import load_tokenizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--raw", required=True, type=Path)
-    parser.add_argument("--tokenizer", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    started = now()
-    cfg = load_section(read_params(args.params), "pack")
+    stage = start(__doc__, "raw", "tokenizer", "out")
+    args = stage.args
+    cfg = load_section(stage.params, "pack")
     tok_path = args.tokenizer / "tokenizer.json"
     tok = load_tokenizer(tok_path)
     row_len = cfg.seq_len + 1  # seq_len inputs plus the last shifted target
@@ -44,7 +36,7 @@ def main() -> None:
     print(f"pack: sft: {m['rows']} rows, {m['tokens']} tokens, efficiency {m['packing_efficiency']:.3f}")
 
     inputs = {"raw": args.raw, "tokenizer": tok_path}
-    write_provenance(args.out / "provenance.json", "pack", {"pack": section_dict(cfg)}, inputs, started)
+    stage.record(args.out / "provenance.json", {"pack": section_dict(cfg)}, inputs)
 
 
 if __name__ == "__main__":

@@ -8,47 +8,30 @@ Resumes from the last checkpoint of its fingerprint when one exists (a killed
 plots, and provenance.json.
 """
 
-import argparse
-from pathlib import Path
-
 import jax
 from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import init_dir, load_section, load_seed, read_params, section_dict
-from stagelm.distributed import initialize
+from stagelm.config import init_dir, load_section, load_seed, section_dict
 from stagelm.errors import StagelmError, run_main
-from stagelm.files import sha256_file
-from stagelm.hardware import describe_devices, peak_flops
+from stagelm.hardware import peak_flops
 from stagelm.hf import import_hf
 from stagelm.loader import PackedRows
 from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token
-from stagelm.modelio import save_model
-from stagelm.provenance import now, write_provenance
-from stagelm.sharding import make_mesh
-from stagelm.trainloop import train
+from stagelm.modeldir import save_model
+from stagelm.trainloop import record_training, start_training, train
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    for flag in ("--train", "--val", "--tokenizer", "--out", "--checkpoints"):
-        parser.add_argument(flag, required=True, type=Path)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args()
-    initialize()  # joins jax.distributed when launched as one of several processes
-    started = now()
-    params = read_params(args.params)
-    model_cfg = load_section(params, "model")
-    tcfg = load_section(params, "training")
-    mesh_cfg = load_section(params, "mesh")
-    seed = load_seed(params)
+    stage, mesh = start_training(__doc__, "train", "val", "tokenizer", "out", "checkpoints")
+    args = stage.args
+    model_cfg = load_section(stage.params, "model")
+    tcfg = load_section(stage.params, "training")
+    seed = load_seed(stage.params)
 
     train_rows, val_rows = PackedRows(args.train), PackedRows(args.val)
     manifest = train_rows.manifest
-    if sha256_file(args.tokenizer) != manifest["tokenizer_sha256"]:
-        raise StagelmError(
-            f"{args.tokenizer}: differs from the tokenizer {args.train} was packed with; rerun `dvc repro pack`"
-        )
+    train_rows.require_tokenizer(args.tokenizer)
     read = {"model": section_dict(model_cfg), "training": section_dict(tcfg), "seed": seed}
     inputs = {"train": args.train / "manifest.json", "val": args.val / "manifest.json", "tokenizer": args.tokenizer}
     source = init_dir(model_cfg.init_from)
@@ -67,7 +50,6 @@ def main() -> None:
     cfg = model.cfg
     fp = stage_fingerprint(__file__, read, inputs)
 
-    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     print(
         f"pretrain: {count_params(model):,} params {origin}, on {mesh.devices.size} {jax.devices()[0].platform} "
         f"device(s); mesh {dict(mesh.shape)}; fingerprint {fp}",
@@ -88,14 +70,7 @@ def main() -> None:
     )
     extra = {"params_count": count_params(result.model), "context_len": manifest["seq_len"]}
     save_model(args.out / "model", result.model, args.tokenizer, extra)
-    if jax.process_index() == 0:
-        extra = {
-            "fingerprint": fp,
-            "resumed_from": result.resumed_from,
-            "devices": describe_devices(),
-            "summary": result.summary,
-        }
-        write_provenance(args.out / "provenance.json", "pretrain", read, inputs, started, extra)
+    record_training(stage, result, fp, read, inputs)
     s = result.summary
     print(f"pretrain: done at step {s['step']}: train loss {s['train_loss']:.4f}, val loss {s['val_loss']:.4f}")
 

@@ -4,22 +4,20 @@ python stages/report.py --runs runs --models pretrain,sft --out runs/report.md -
     --benchmark runs/benchmark/metrics.json
 """
 
-import argparse
 from pathlib import Path
 
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import atomic_write_bytes, read_json
 from stagelm.report import render
+from stagelm.stage import start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", required=True, type=Path)
-    parser.add_argument("--models", required=True, help="comma-separated model stages, in pipeline order")
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--figures", required=True, type=Path)
-    parser.add_argument("--benchmark", type=Path, help="the benchmark stage's metrics.json")
-    args = parser.parse_args()
+    options = {
+        "models": {"required": True, "help": "comma-separated model stages, in pipeline order"},
+        "benchmark": {"type": Path, "help": "the benchmark stage's metrics.json"},
+    }
+    args = start(__doc__, "runs", "out", "figures", options=options).args
     models = [m for m in args.models.split(",") if m]
     for name in models:
         if not (args.runs / "eval" / name / "metrics.json").is_file():

@@ -6,33 +6,26 @@
 `--format chat` wraps each prompt in the chat template (tuned models).
 """
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import jax
 
-from stagelm.config import load_section, load_seed, read_params, section_dict
+from stagelm.config import load_section, load_seed, section_dict
 from stagelm.errors import run_main
 from stagelm.files import atomic_write_bytes
 from stagelm.generate import Sampling, load_generator
-from stagelm.provenance import now, write_provenance
+from stagelm.stage import start
 from stagelm.tokenizer import chat_prompt_ids
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--format", required=True, choices=("completion", "chat"))
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args()
-    started = now()
-    params = read_params(args.params)
-    cfg = load_section(params, "sample")
-    seed = load_seed(params)
+    options = {"name": {"required": True}, "format": {"required": True, "choices": ("completion", "chat")}}
+    stage = start(__doc__, "model", "out", options=options)
+    args = stage.args
+    stage.name = f"sample@{args.name}"
+    cfg = load_section(stage.params, "sample")
+    seed = load_seed(stage.params)
 
     gen = load_generator(args.model)
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
@@ -59,8 +52,7 @@ def main() -> None:
 
     atomic_write_bytes(args.out, "".join(json.dumps(r) + "\n" for r in records).encode())
     read = {"sample": section_dict(cfg), "seed": seed, "format": args.format}
-    provenance = args.out.with_suffix(".provenance.json")
-    write_provenance(provenance, f"sample@{args.name}", read, {"model": args.model}, started)
+    stage.record(args.out.with_suffix(".provenance.json"), read, {"model": args.model})
 
 
 if __name__ == "__main__":

@@ -6,27 +6,19 @@ With `model.init_from: hf:<dir>` it adopts that checkpoint's tokenizer.json inst
 (the tokenizer section is then unused), appending the chat specials it lacks.
 """
 
-import argparse
-from pathlib import Path
-
-from stagelm.config import init_dir, load_section, load_value, read_params, section_dict
+from stagelm.config import init_dir, load_section, load_value, section_dict
 from stagelm.errors import run_main
 from stagelm.files import atomic_write_bytes
-from stagelm.provenance import now, write_provenance
 from stagelm.rawdata import read_raw
+from stagelm.stage import start
 from stagelm.tokenizer import adopt_tokenizer, train_tokenizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--raw", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    started = now()
-    params = read_params(args.params)
-    cfg = load_section(params, "tokenizer")
-    init_from = load_value(params, "model.init_from")
+    stage = start(__doc__, "raw", "out")
+    args = stage.args
+    cfg = load_section(stage.params, "tokenizer")
+    init_from = load_value(stage.params, "model.init_from")
     read = {"tokenizer": section_dict(cfg), "model.init_from": init_from}
 
     if init_from is not None:
@@ -40,7 +32,7 @@ def main() -> None:
         inputs = {"corpus_train": args.raw / "corpus_train.parquet"}
         done = f"{tok.get_vocab_size()} tokens trained on {len(texts)} documents"
     atomic_write_bytes(args.out / "tokenizer.json", tok.to_str(pretty=True).encode())
-    write_provenance(args.out / "provenance.json", "tokenizer", read, inputs, started)
+    stage.record(args.out / "provenance.json", read, inputs)
     print(f"tokenizer: {done}")
 
 

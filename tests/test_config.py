@@ -70,6 +70,29 @@ def test_cross_field_rules():
         load_section(params, "model")
 
 
+@pytest.mark.parametrize("section", ["training", "sft", "distill", "grpo"])
+def test_one_optimizer_rule_names_each_sections_own_keys(section):
+    # One validator serves the four training sections; its error names the key the user wrote.
+    params = shipped_params()
+    steps = params[section]["steps"]
+    params[section]["warmup_steps"] = steps + 400
+    with pytest.raises(StagelmError) as err:
+        load_section(params, section)
+    assert str(err.value) == f"{section}.warmup_steps: {steps + 400} must be below {section}.steps {steps}"
+
+
+@pytest.mark.parametrize(
+    ("section", "prefix"), [("model", "model"), ("distill", "distill.student"), ("benchmark", "benchmark")]
+)
+def test_one_shape_rule_names_each_sections_own_keys(section, prefix):
+    params = shipped_params()
+    shape = params[section]["student"] if section == "distill" else params[section]
+    shape["n_heads"] = 5
+    with pytest.raises(StagelmError) as err:
+        load_section(params, section)
+    assert str(err.value) == f"{prefix}.n_heads: 5 does not divide {prefix}.d_model {shape['d_model']}"
+
+
 def test_int_is_accepted_as_float_and_converted():
     cfg = parse_dataclass(SECTIONS["training"], {**shipped_params()["training"], "lr": 1}, "training")
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)

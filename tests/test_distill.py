@@ -15,8 +15,8 @@ from stagelm.distill import STUDENT, Distiller, distill_loss, soft_kl
 from stagelm.files import read_json
 from stagelm.loader import MixedRows, PackedRows, batch_iterator
 from stagelm.model import Decoder, DecoderConfig
-from stagelm.modelio import load_model
-from stagelm.train import init_state, lm_loss, make_optimizer, make_train_step
+from stagelm.modeldir import load_model
+from stagelm.trainstep import init_state, lm_loss, make_optimizer, make_train_step
 
 TEACHER = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 STUDENT_CFG = DecoderConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
@@ -59,7 +59,7 @@ def test_kl_and_its_gradient_vanish_when_the_student_is_the_teacher(micro_data):
 def run_steps(model, trainable, loss_fn, rows, steps=30):
     """Train `trainable` of `model` for `steps` steps at lr 1e-2: (trained model, optimizer state, metrics per step)."""
     graphdef, params, frozen = nnx.split(model, trainable, ...)
-    cfg = dataclasses.replace(load_section(micro_params(), "distill").training(), lr=1e-2, steps=steps)
+    cfg = dataclasses.replace(load_section(micro_params(), "distill"), lr=1e-2, steps=steps)
     tx = make_optimizer(cfg, params)
     state = init_state(params, tx, jax.random.key(0))
     step = make_train_step(graphdef, tx, loss_fn)

@@ -11,7 +11,7 @@ from conftest import BIN, ROOT, env_with_venv, micro_params, run, write_params
 from test_pretrain_stage import command, history
 
 from stagelm.files import read_json
-from stagelm.modelio import load_model
+from stagelm.modeldir import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from flax import nnx
 from stagelm.files import read_json
 from stagelm.grpo import graded_length, group_advantages, grpo_loss, token_logprobs
 from stagelm.model import Decoder, DecoderConfig, count_params
-from stagelm.modelio import load_model
-from stagelm.train import next_token_targets
+from stagelm.modeldir import load_model
+from stagelm.trainstep import next_token_targets
 
 CFG = DecoderConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
 

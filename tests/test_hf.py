@@ -13,7 +13,7 @@ from stagelm.errors import StagelmError
 from stagelm.generate import Generator
 from stagelm.hf import export_hf, import_hf
 from stagelm.model import Decoder, DecoderConfig
-from stagelm.modelio import load_model, save_model
+from stagelm.modeldir import load_model, save_model
 from stagelm.tokenizer import chat_prompt_ids, load_tokenizer
 
 torch = pytest.importorskip("torch", reason="torch is a test-only interop dependency (pip install -e '.[interop]')")

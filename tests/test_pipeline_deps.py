@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, run
 
-from stagelm.config import EXECUTION_KEYS, SECTIONS
+from stagelm.config import EXECUTION_KEYS, section_keys
+from stagelm.deps import EXECUTION_SECTIONS, code_deps, params_deps, render
 
 PIPELINE = yaml.safe_load((ROOT / "dvc.yaml").read_text())
 VARS = {k: v for entry in PIPELINE["vars"] for k, v in entry.items()}
@@ -18,34 +19,6 @@ def resolve(text: str) -> str:
     for key, value in VARS.items():
         text = text.replace("${" + key + "}", value)
     return text
-
-
-def stagelm_imports(path: Path) -> set[str]:
-    """Names of the stagelm modules a file imports, anywhere in it (functions included)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stagelm"):
-            if node.module == "stagelm":
-                found |= {f"stagelm.{a.name}" for a in node.names}
-            else:
-                found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("stagelm.")}
-    return found
-
-
-def closure(script: Path) -> set[str]:
-    """The script plus every stagelm module file it reaches, as repo-relative paths."""
-    seen, todo = {str(script.relative_to(ROOT))}, [script]
-    while todo:
-        for module in stagelm_imports(todo.pop()):
-            path = ROOT / "src" / (module.replace(".", "/") + ".py")
-            assert path.is_file(), f"{module} imported but {path} does not exist"
-            rel = str(path.relative_to(ROOT))
-            if rel not in seen:
-                seen.add(rel)
-                todo.append(path)
-    return seen
 
 
 def script_of(stage: dict) -> Path:
@@ -63,25 +36,9 @@ def test_package_init_imports_nothing():
 def test_code_deps_are_exactly_the_imports(name):
     stage = STAGES[name]
     declared = {resolve(d) for d in stage["deps"] if resolve(d).endswith(".py")}
-    assert declared == closure(script_of(stage))
-
-
-def sections_read(script: Path) -> set[str]:
-    """Params a stage reads: load_section(params, "<name>") and load_seed(...) calls in its script."""
-    names = set()
-    for node in ast.walk(ast.parse(script.read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_section":
-            assert isinstance(node.args[1], ast.Constant), f"{script}: name sections literally in load_section"
-            names.add(node.args[1].value)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_seed":
-            names.add("seed")
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_value":  # one key: "section.field"
-            assert isinstance(node.args[1], ast.Constant), f"{script}: name keys literally in load_value"
-            names.add(node.args[1].value)
-    return names
-
-
-EXECUTION_SECTIONS = {"mesh"}
+    expected = code_deps(script_of(stage), ROOT)
+    listed = "".join(f"\n  - {p}" for p in expected)
+    assert declared == set(expected), f"dvc.yaml stage {name}: its code deps should be (`stagelm deps`):{listed}"
 
 
 @pytest.mark.parametrize("name", sorted(STAGES))
@@ -91,18 +48,36 @@ def test_params_are_exactly_what_the_stage_reads(name):
     for entry in stage.get("params", []):
         if isinstance(entry, dict):  # {file: [keys]}
             raise AssertionError("params come from params.yaml only")
-        if "." in entry or entry == "seed":
-            declared.add(entry)
-        else:
-            fields = SECTIONS[entry].__dataclass_fields__
-            declared |= {f"{entry}.{f}" for f in fields}
-    expected = set()
-    for section in sections_read(script_of(stage)) - EXECUTION_SECTIONS:
-        if section == "seed" or "." in section:
-            expected.add(section)
-            continue
-        expected |= {f"{section}.{f}" for f in SECTIONS[section].__dataclass_fields__}
-    assert declared == expected - EXECUTION_KEYS
+        declared |= {entry} if "." in entry or entry == "seed" else set(section_keys(entry))
+    expected = params_deps(script_of(stage))
+    read = {k for e in expected for k in ([e] if "." in e or e == "seed" else section_keys(e))}
+    listed = "".join(f"\n  - {p}" for p in expected)
+    assert declared == read, f"dvc.yaml stage {name}: its params should be (`stagelm deps`):{listed}"
+
+
+def test_deps_cli_prints_the_lists_this_test_checks(capsys):
+    out = run(["stagelm", "deps", "stages/pretrain.py"], ROOT).stdout
+    assert out == render(ROOT / "stages/pretrain.py", ROOT)
+    assert "  - src/stagelm/trainloop.py\n" in out and "  - training.lr\n" in out and "training.log_every" not in out
+    bad = run(["stagelm", "deps", "stages/nothing.py"], ROOT, check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: stages/nothing.py: no such stage script")
+
+
+def test_a_family_module_in_a_package_is_a_dep_with_its_package(tmp_path):
+    # `from stagelm.pkg import mod` reaches pkg/__init__.py and pkg/mod.py (how task families are imported)
+    (tmp_path / "src/stagelm/pkg").mkdir(parents=True)
+    (tmp_path / "src/stagelm/__init__.py").write_text("")
+    (tmp_path / "src/stagelm/pkg/__init__.py").write_text("from stagelm.pkg import mod\n")
+    (tmp_path / "src/stagelm/pkg/mod.py").write_text("from stagelm import leaf\n")
+    (tmp_path / "src/stagelm/leaf.py").write_text("X = 1\n")
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages/s.py").write_text("from stagelm.pkg import mod\n")
+    assert code_deps(tmp_path / "stages/s.py", tmp_path) == [
+        "stages/s.py",
+        "src/stagelm/leaf.py",
+        "src/stagelm/pkg/__init__.py",
+        "src/stagelm/pkg/mod.py",
+    ]
 
 
 def test_no_stage_declares_execution_settings():

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
 
 from stagelm.files import read_json
-from stagelm.modelio import load_model
+from stagelm.modeldir import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from stagelm.files import read_json
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.lora import add_lora, merge_lora
 from stagelm.model import Decoder, DecoderConfig
-from stagelm.modelio import load_model
-from stagelm.train import init_state, make_optimizer, make_train_step
+from stagelm.modeldir import load_model
+from stagelm.trainstep import init_state, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, targets=("q", "kv", "o", "gate_up", "down"))
@@ -26,7 +26,7 @@ def lora_training(micro_data, steps=8, lora=LORA):
     before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(base, nnx.Param)))
     model = add_lora(base, lora, nnx.Rngs(1))
     graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
-    tcfg = load_section(micro_params(), "sft").training()
+    tcfg = load_section(micro_params(), "sft")
     tx = make_optimizer(tcfg, params)
     state = init_state(params, tx, jax.random.key(0))
     step = make_train_step(graphdef, tx)
@@ -151,7 +151,7 @@ def test_sft_stage_outputs_and_frozen_base(micro_data, pretrained, tmp_path):
 
 @pytest.mark.slow
 def test_sft_refuses_a_model_with_another_vocab(micro_data, tmp_path):
-    from stagelm.modelio import save_model
+    from stagelm.modeldir import save_model
 
     other = Decoder(
         DecoderConfig(vocab_size=123, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32), nnx.Rngs(0)

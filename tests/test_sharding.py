@@ -14,8 +14,8 @@ from stagelm.errors import StagelmError
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.sharding import make_mesh, replicated
-from stagelm.train import init_state, make_optimizer, make_train_step
 from stagelm.trainloop import global_batch, shard_state, state_shardings
+from stagelm.trainstep import init_state, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -72,9 +72,9 @@ def test_layouts_match_one_device(reference, shape, sharded):
     params = state.params
     where = {
         "embed": params["embed"],
-        "gate_up": params["blocks"][0]["mlp"]["gate_up"],
-        "down": params["blocks"][1]["mlp"]["down"],
-        "q": params["blocks"][0]["attn"]["q"],
+        "gate_up": params["blocks"][0]["mlp"]["gate_up"]["w"],
+        "down": params["blocks"][1]["mlp"]["down"]["w"],
+        "q": params["blocks"][0]["attn"]["q"]["w"],
     }
     for name, spec in sharded.items():
         if name == "opt":
@@ -85,7 +85,7 @@ def test_layouts_match_one_device(reference, shape, sharded):
     if not sharded:
         assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(params))
     if sharded.get("opt"):  # Adam's moments shard like their params (ZeRO-3 style)
-        mu = state.opt_state[1][0].mu["blocks"][0]["mlp"]["gate_up"][...]
+        mu = state.opt_state[1][0].mu["blocks"][0]["mlp"]["gate_up"]["w"][...]
         assert tuple(mu.sharding.spec) == sharded["gate_up"]
 
 

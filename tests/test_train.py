@@ -12,7 +12,7 @@ from flax import nnx
 from stagelm.config import load_section
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.model import Decoder, DecoderConfig
-from stagelm.train import decay_mask, init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
+from stagelm.trainstep import decay_mask, init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -105,7 +105,7 @@ def test_no_weight_decay_on_norms_and_embeddings_unless_asked():
     params = nnx.state(Decoder(CFG, nnx.Rngs(0)), nnx.Param)
     mask = nnx.to_pure_dict(decay_mask(params, decay_embeddings=False))
     assert not mask["embed"] and not mask["final_norm"]
-    assert mask["blocks"][0]["attn"]["q"] and not mask["blocks"][0]["attn_norm"]
+    assert mask["blocks"][0]["attn"]["q"]["w"] and not mask["blocks"][0]["attn_norm"]
     assert nnx.to_pure_dict(decay_mask(params, decay_embeddings=True))["embed"]
 
 

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stagelm.config import TrainingConfig
+from stagelm.config import BenchmarkConfig, TrainingConfig
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.model import Decoder, DecoderConfig, flops_per_token
-from stagelm.train import init_state, make_optimizer, make_train_step
+from stagelm.trainstep import init_state, make_optimizer, make_train_step
 
 SCHEMA_VERSION = 1
 
@@ -173,6 +173,6 @@ def mfu(tokens_per_sec: float, cfg: DecoderConfig, seq_len: int, peak: float | N
     return tokens_per_sec * flops_per_token(cfg, seq_len) / peak if peak else None
 
 
-def decoder_config(section: Any) -> DecoderConfig:
-    shape = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "dtype")
-    return DecoderConfig(**{k: getattr(section, k) for k in shape}, param_dtype="float32")
+def decoder_config(section: BenchmarkConfig) -> DecoderConfig:
+    """The benchmark section's decoder: its shape, vocabulary and compute dtype; float32 weights."""
+    return DecoderConfig(vocab_size=section.vocab_size, **section.shape(), dtype=section.dtype, param_dtype="float32")

@@ -105,9 +105,6 @@ class Checkpoints:
             ) from None
         return restored["state"], restored["extra"]
 
-    def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
-
     def close(self) -> None:
         self.manager.close()
 

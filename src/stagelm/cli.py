@@ -9,6 +9,9 @@ stagelm launch <stage command>
     wrapper such as `srun --nodes=2 --ntasks-per-node=4` starts it on every task and
     blocks until they all end, so `dvc repro` on the head node waits for the job.
     `launch` is an execution setting: no stage lists it, so it reruns nothing.
+stagelm deps stages/<stage>.py
+    print the code deps and params of that stage as dvc.yaml should list them (the
+    pipeline test checks dvc.yaml against the same computation).
 """
 
 import argparse
@@ -111,6 +114,15 @@ def inspect(args: argparse.Namespace) -> None:
     print(inspect_run(Path(args.run_dir), root))
 
 
+def deps(args: argparse.Namespace) -> None:
+    from stagelm.deps import render
+
+    script = Path(args.script)
+    if not script.is_file() or script.suffix != ".py":
+        raise StagelmError(f"{args.script}: no such stage script; give one of stages/*.py, from the project root")
+    print(render(script, Path.cwd()), end="")
+
+
 def export_hf(args: argparse.Namespace) -> None:
     from stagelm.hf import export_hf
 
@@ -121,7 +133,7 @@ def export_hf(args: argparse.Namespace) -> None:
 def import_hf(args: argparse.Namespace) -> None:
     from stagelm.hf import import_hf
     from stagelm.model import count_params
-    from stagelm.modelio import save_model
+    from stagelm.modeldir import save_model
 
     tokenizer = args.hf_dir / "tokenizer.json"
     if not tokenizer.is_file():
@@ -159,6 +171,9 @@ def main() -> None:
     ins.add_argument("run_dir")
     ins.add_argument("--pipeline", default="dvc.yaml")
     ins.set_defaults(func=inspect)
+    dp = sub.add_parser("deps", help="print a stage script's code deps and params as dvc.yaml lists them")
+    dp.add_argument("script")
+    dp.set_defaults(func=deps)
     ex = sub.add_parser("export-hf", help="write a model directory as a transformers Llama checkpoint")
     ex.add_argument("model_dir", type=Path)
     ex.add_argument("out_dir", type=Path)

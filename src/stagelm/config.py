@@ -7,7 +7,10 @@ with one line naming the dotted key and what was expected, e.g.
     pack.seq_len: expected a positive int, got 'long'
 
 Constraints live next to each field (`metadata={"check": ...}`), so the rules a key
-obeys are read in one place. Stages load only the sections they read.
+obeys are read in one place; rules across keys live in the section's `validate(prefix)`,
+which names the keys as the user wrote them. Sections that share keys share a base
+(`ModelShape`, `OptimizerConfig`), so each rule is written once. Stages load only the
+sections they read.
 """
 
 import dataclasses
@@ -15,7 +18,7 @@ import shlex
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -74,12 +77,33 @@ class PackConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelShape:
+    """A decoder's sizes: the one home of these keys, shared by `model`, `distill.student`
+    and `benchmark` (model.DecoderConfig adds the vocabulary and the rest at run time)."""
+
     d_model: int = checked(POSITIVE)
     n_layers: int = checked(POSITIVE)
     n_heads: int = checked(POSITIVE)
     n_kv_heads: int = checked(POSITIVE)
     d_ff: int = checked(POSITIVE)
+
+    def validate(self, prefix: str) -> None:
+        """Attention shape rules, naming the keys under `prefix` (e.g. distill.student)."""
+        if self.d_model % self.n_heads:
+            raise StagelmError(f"{prefix}.n_heads: {self.n_heads} does not divide {prefix}.d_model {self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            raise StagelmError(
+                f"{prefix}.n_kv_heads: {self.n_kv_heads} does not divide {prefix}.n_heads {self.n_heads}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise StagelmError(f"{prefix}.n_heads: the head size d_model/n_heads must be even for RoPE")
+
+    def shape(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(ModelShape):
     rope_theta: float = checked(POSITIVE)
     norm_eps: float = checked(POSITIVE)
     tie_embeddings: bool
@@ -90,9 +114,6 @@ class ModelConfig:
     # null: train from scratch with the fields above. hf:<local dir>: start from a transformers
     # Llama checkpoint there (its architecture and tokenizer; dtype, param_dtype and remat still apply).
     init_from: str | None = checked((lambda v: v.startswith("hf:") and len(v) > 3, "null or hf:<local dir>"))
-
-    def __post_init__(self) -> None:
-        check_heads(self, "model")
 
     def architecture(self) -> dict[str, Any]:
         """The DecoderConfig fields of this section (everything but init_from)."""
@@ -109,18 +130,14 @@ def init_dir(init_from: str | None) -> Path | None:
     return path
 
 
-def check_heads(cfg: Any, prefix: str) -> None:
-    """Attention shape rules of a decoder section (`model`, `distill.student`)."""
-    if cfg.d_model % cfg.n_heads:
-        raise StagelmError(f"{prefix}.n_heads: {cfg.n_heads} does not divide {prefix}.d_model {cfg.d_model}")
-    if cfg.n_heads % cfg.n_kv_heads:
-        raise StagelmError(f"{prefix}.n_kv_heads: {cfg.n_kv_heads} does not divide {prefix}.n_heads {cfg.n_heads}")
-    if (cfg.d_model // cfg.n_heads) % 2:
-        raise StagelmError(f"{prefix}.n_heads: the head size d_model/n_heads must be even for RoPE")
-
-
 @dataclasses.dataclass(frozen=True)
-class TrainingConfig:
+class OptimizerConfig:
+    """AdamW on a warmup and a schedule, the run's length and its evals: the one home of
+    these keys, which `training` (pretrain), `sft`, `distill` and `grpo` each carry in
+    their own section, so DVC reruns only the stage whose key changed."""
+
+    section: ClassVar[str]  # the params section, for the keys an error names
+
     lr: float = checked(POSITIVE)
     min_lr_ratio: float = checked(UNIT)  # final lr of cosine / wsd as a fraction of lr
     schedule: str = checked(one_of("constant", "cosine", "wsd"))
@@ -130,10 +147,8 @@ class TrainingConfig:
     decay_embeddings: bool  # apply weight decay to embeddings too (never to norms)
     beta1: float = checked(UNIT)
     beta2: float = checked(UNIT)
-    eps: float = checked(POSITIVE)
+    eps: float = checked(POSITIVE)  # Adam's epsilon
     grad_clip: float = checked(NON_NEGATIVE)  # global-norm clip; 0 turns it off
-    batch_size: int = checked(POSITIVE)  # global rows per microbatch
-    grad_accum: int = checked(POSITIVE)
     steps: int = checked(POSITIVE)
     eval_every: int = checked(POSITIVE)
     eval_batches: int = checked(POSITIVE)
@@ -143,9 +158,19 @@ class TrainingConfig:
     checkpoint_every: int = checked(POSITIVE)
     keep_checkpoints: int = checked(POSITIVE)
 
-    def __post_init__(self) -> None:
+    def validate(self, prefix: str) -> None:
         if self.warmup_steps >= self.steps:
-            raise StagelmError(f"training.warmup_steps: {self.warmup_steps} must be below training.steps {self.steps}")
+            raise StagelmError(f"{prefix}.warmup_steps: {self.warmup_steps} must be below {prefix}.steps {self.steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig(OptimizerConfig):
+    """An optimizer run on packed rows: pretrain's `training`, and the base of sft and distill."""
+
+    section: ClassVar[str] = "training"
+
+    batch_size: int = checked(POSITIVE)  # global rows per microbatch
+    grad_accum: int = checked(POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +186,11 @@ class LaunchConfig:
     # e.g. "srun --nodes=2 --ntasks-per-node=4": see stagelm.distributed.
     command: str
 
-    def __post_init__(self) -> None:
+    def validate(self, prefix: str) -> None:
         try:
             shlex.split(self.command)
         except ValueError as err:
-            raise StagelmError(f"launch.command: {err} in {self.command!r}; fix the quoting") from None
+            raise StagelmError(f"{prefix}.command: {err} in {self.command!r}; fix the quoting") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,13 +210,15 @@ class SampleConfig:
     top_k: int = checked(NON_NEGATIVE)  # 0 = off
     top_p: float = checked((lambda v: 0 < v <= 1, "a {type} in (0, 1]"))
 
-    def __post_init__(self) -> None:
+    def validate(self, prefix: str) -> None:
         if not self.prompts or any(not p for p in self.prompts):
-            raise StagelmError("sample.prompts: expected a non-empty list of non-empty strings")
+            raise StagelmError(f"{prefix}.prompts: expected a non-empty list of non-empty strings")
 
 
 FAMILIES = ("arithmetic", "uses_word", "word_limit")  # the task families (stagelm.tasks asks and checks them)
-LORA_TARGETS = ("q", "kv", "o", "gate_up", "down")  # the decoder's projections, by parameter name
+# The decoder's projections (model.Projection), by name: LoRA targets them, the HF mapping
+# and the merge walk them. Attention: q, kv, o; MLP: gate_up, down.
+PROJECTIONS = ("q", "kv", "o", "gate_up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,86 +227,40 @@ class LoraConfig:
     alpha: float = checked(POSITIVE)  # the adapter's output is scaled by alpha / rank (Hu et al., 2021)
     dropout: float = checked((lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
     targets: list[str] = checked(
-        (lambda v: bool(v) and set(v) <= set(LORA_TARGETS), f"a non-empty list drawn from {list(LORA_TARGETS)}")
+        (lambda v: bool(v) and set(v) <= set(PROJECTIONS), f"a non-empty list drawn from {list(PROJECTIONS)}")
     )
 
 
 @dataclasses.dataclass(frozen=True)
-class SftConfig:
+class SftConfig(TrainingConfig):
+    section: ClassVar[str] = "sft"
+
     method: str = checked(one_of("full", "lora"))
-    lr: float = checked(POSITIVE)
-    min_lr_ratio: float = checked(UNIT)
-    schedule: str = checked(one_of("constant", "cosine", "wsd"))
-    warmup_steps: int = checked(NON_NEGATIVE)
-    weight_decay: float = checked(NON_NEGATIVE)
-    grad_clip: float = checked(NON_NEGATIVE)
-    batch_size: int = checked(POSITIVE)
-    grad_accum: int = checked(POSITIVE)
-    steps: int = checked(POSITIVE)
-    eval_every: int = checked(POSITIVE)
-    eval_batches: int = checked(POSITIVE)
-    log_every: int = checked(POSITIVE)  # execution settings, as in `training`
-    checkpoint_every: int = checked(POSITIVE)
-    keep_checkpoints: int = checked(POSITIVE)
     lora: LoraConfig
 
-    def training(self) -> TrainingConfig:
-        """The loop and optimizer settings of the SFT run (AdamW betas 0.9/0.95, eps 1e-8, no decay on embeddings)."""
-        return own_training(self, beta1=0.9, beta2=0.95, eps=1e-8, decay_fraction=0.2, decay_embeddings=False)
-
-
-def own_training(config: Any, **fixed: Any) -> TrainingConfig:
-    """The TrainingConfig of a fine-tuning section: its own loop and optimizer keys, `fixed` for the rest."""
-    own = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainingConfig) if hasattr(config, f.name)}
-    return TrainingConfig(**{**fixed, **own})
-
 
 @dataclasses.dataclass(frozen=True)
-class StudentConfig:
+class StudentConfig(ModelShape):
     """The distilled student's shape; everything else (RoPE, norms, dtypes) is the teacher's."""
 
-    d_model: int = checked(POSITIVE)
-    n_layers: int = checked(POSITIVE)
-    n_heads: int = checked(POSITIVE)
-    n_kv_heads: int = checked(POSITIVE)
-    d_ff: int = checked(POSITIVE)
     vocab_size: int | None = checked(POSITIVE)  # null = the teacher's; any other value is refused
-
-    def __post_init__(self) -> None:
-        check_heads(self, "distill.student")
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(TrainingConfig):
+    section: ClassVar[str] = "distill"
+
     alpha: float = checked(UNIT)  # weight of the soft (KL) term; 1 - alpha goes to the hard CE
     temperature: float = checked(POSITIVE)
     data: str = checked(one_of("corpus", "sft", "both"))
-    lr: float = checked(POSITIVE)
-    min_lr_ratio: float = checked(UNIT)
-    schedule: str = checked(one_of("constant", "cosine", "wsd"))
-    warmup_steps: int = checked(NON_NEGATIVE)
-    weight_decay: float = checked(NON_NEGATIVE)
-    grad_clip: float = checked(NON_NEGATIVE)
-    batch_size: int = checked(POSITIVE)
-    grad_accum: int = checked(POSITIVE)
-    steps: int = checked(POSITIVE)
-    eval_every: int = checked(POSITIVE)
-    eval_batches: int = checked(POSITIVE)
-    log_every: int = checked(POSITIVE)  # execution settings, as in `training`
-    checkpoint_every: int = checked(POSITIVE)
-    keep_checkpoints: int = checked(POSITIVE)
     student: StudentConfig
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps >= self.steps:
-            raise StagelmError(f"distill.warmup_steps: {self.warmup_steps} must be below distill.steps {self.steps}")
-
-    def training(self) -> TrainingConfig:
-        return own_training(self, beta1=0.9, beta2=0.95, eps=1e-8, decay_fraction=0.2, decay_embeddings=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class GrpoConfig:
+class GrpoConfig(OptimizerConfig):
+    section: ClassVar[str] = "grpo"
+    grad_accum: ClassVar[int] = 1  # one update on every sample of a rollout
+
     families: list[str]  # the rl task families rewarded (and so targeted)
     prompts_per_step: int = checked(POSITIVE)
     group_size: int = checked((lambda v: v >= 2, "an {type} >= 2 (advantages compare samples of one prompt)"))
@@ -291,53 +272,33 @@ class GrpoConfig:
     kl_coef: float = checked(NON_NEGATIVE)
     anchor_coef: float = checked(NON_NEGATIVE)  # weight of the KL to the reference on SFT rows (0: none)
     anchor_rows: int = checked(POSITIVE)  # SFT rows per update for that term
-    updates_per_rollout: int = checked(POSITIVE)
-    lr: float = checked(POSITIVE)
-    min_lr_ratio: float = checked(UNIT)
-    schedule: str = checked(one_of("constant", "cosine", "wsd"))
-    warmup_steps: int = checked(NON_NEGATIVE)
-    beta1: float = checked(UNIT)
-    beta2: float = checked(UNIT)
-    eps: float = checked(POSITIVE)  # Adam's epsilon
-    weight_decay: float = checked(NON_NEGATIVE)
-    grad_clip: float = checked(NON_NEGATIVE)
-    steps: int = checked(POSITIVE)  # optimizer steps: steps / updates_per_rollout rollouts
-    eval_every: int = checked(POSITIVE)
-    eval_batches: int = checked(POSITIVE)
-    log_every: int = checked(POSITIVE)  # execution settings, as in `training`
-    checkpoint_every: int = checked(POSITIVE)
-    keep_checkpoints: int = checked(POSITIVE)
+    updates_per_rollout: int = checked(POSITIVE)  # steps (optimizer steps) / updates_per_rollout rollouts
     method: str = checked(one_of("full", "lora"))  # lora: only adapters train; the saved model is merged
     lora: LoraConfig
 
-    def __post_init__(self) -> None:
+    @property
+    def batch_size(self) -> int:
+        """Rows per update (and per val batch): every sample of one rollout."""
+        return self.prompts_per_step * self.group_size
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
         unknown = [f for f in self.families if f not in FAMILIES]
         if unknown or not self.families:
-            raise StagelmError(f"grpo.families: unknown {unknown or 'empty list'}; choose among {list(FAMILIES)}")
-        if self.warmup_steps >= self.steps:
-            raise StagelmError(f"grpo.warmup_steps: {self.warmup_steps} must be below grpo.steps {self.steps}")
+            raise StagelmError(f"{prefix}.families: unknown {unknown or 'empty list'}; choose among {list(FAMILIES)}")
         for key in ("steps", "eval_every", "checkpoint_every"):
             if getattr(self, key) % self.updates_per_rollout:
                 raise StagelmError(
-                    f"grpo.{key}: {getattr(self, key)} is not a multiple of grpo.updates_per_rollout "
+                    f"{prefix}.{key}: {getattr(self, key)} is not a multiple of {prefix}.updates_per_rollout "
                     f"{self.updates_per_rollout} (checkpoints and evals fall between rollouts)"
                 )
 
-    def training(self) -> TrainingConfig:
-        rows = self.prompts_per_step * self.group_size
-        return own_training(self, batch_size=rows, grad_accum=1, decay_fraction=0.2, decay_embeddings=False)
-
 
 @dataclasses.dataclass(frozen=True)
-class BenchmarkConfig:
+class BenchmarkConfig(ModelShape):
     """The shape the benchmark stage times (random weights and tokens) and how often."""
 
     vocab_size: int = checked(POSITIVE)
-    d_model: int = checked(POSITIVE)
-    n_layers: int = checked(POSITIVE)
-    n_heads: int = checked(POSITIVE)
-    n_kv_heads: int = checked(POSITIVE)
-    d_ff: int = checked(POSITIVE)
     seq_len: int = checked(POSITIVE)
     batch_size: int = checked(POSITIVE)
     dtype: str = checked(one_of("float32", "bfloat16", "float16"))
@@ -350,9 +311,6 @@ class BenchmarkConfig:
     # at batch 8 its ten repetitions were most of the stage; a few give its median to well
     # within the speedup the claims check (>= 5x).
     naive_repetitions: int = checked(POSITIVE)
-
-    def __post_init__(self) -> None:
-        check_heads(self, "benchmark")
 
 
 SECTIONS: dict[str, type] = {
@@ -370,6 +328,12 @@ SECTIONS: dict[str, type] = {
     "grpo": GrpoConfig,
     "benchmark": BenchmarkConfig,
 }
+
+
+def section_keys(name: str) -> list[str]:
+    """The dotted keys of section `name`, in its dataclass's order."""
+    return [f"{name}.{f.name}" for f in dataclasses.fields(SECTIONS[name])]
+
 
 # Keys that tune how a stage runs, not what it computes: never DVC params, never hashed
 # into a resume fingerprint.
@@ -411,7 +375,7 @@ def load_value(params: dict[str, Any], key: str) -> Any:
     section, name = key.split(".")
     if section not in params or not isinstance(params[section], dict) or name not in params[section]:
         raise StagelmError(f"{key}: missing from params.yaml; add it (see README)")
-    field = SECTIONS[section].__dataclass_fields__[name]
+    field = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
     hint = typing.get_type_hints(SECTIONS[section])[name]
     return check_value(params[section][name], hint, key, field.metadata.get("check"))
 
@@ -435,7 +399,10 @@ def parse_dataclass(cls: type, raw: Any, prefix: str) -> Any:
         if name not in raw:
             raise StagelmError(f"{prefix}.{name}: missing; add it to params.yaml")
         values[name] = check_value(raw[name], hints[name], f"{prefix}.{name}", field.metadata.get("check"))
-    return cls(**values)
+    config = cls(**values)
+    if hasattr(config, "validate"):  # rules across keys, named under `prefix`
+        config.validate(prefix)
+    return config
 
 
 def check_value(value: Any, hint: Any, key: str, check: tuple | None = None) -> Any:

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from stagelm.model import Decoder
-from stagelm.train import LossFn, lm_loss, next_token_targets
+from stagelm.trainstep import LossFn, lm_loss, next_token_targets
 
 STUDENT = nnx.All(nnx.Param, nnx.PathContains("student"))
 

@@ -18,12 +18,12 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
-from stagelm.batching import sum_over_split
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows
+from stagelm.meshbatch import sum_over_split
 from stagelm.tasks import check_answer
 from stagelm.tokenizer import chat_prompt_ids
-from stagelm.train import lm_loss, next_token_targets
+from stagelm.trainstep import lm_loss, next_token_targets
 
 FORMATS = ("completion", "chat")
 

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from stagelm.errors import StagelmError
 from stagelm.model import Decoder, init_cache
-from stagelm.modelio import load_model, read_model_context
+from stagelm.modeldir import load_model, read_model_context
 from stagelm.tokenizer import END, EOS, load_tokenizer, special_id
 
 BUCKET = 16
@@ -210,8 +210,26 @@ class Generator:
         tokens, seg, pos = self.layout(prompts, max_new, batch)
         key = jax.random.key(0) if key is None else key
         stop = self.stop_mask(chat, stop_at_newline, until_stop)
-        out, _ = self._loop(self.params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new)
+        out = self.decode(self.params, tokens, seg, pos, stop, key, sampling, max_new)
         return [self.completion(row, stop) for row in np.asarray(out)[: len(prompts)]]
+
+    def decode(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        seg: jax.Array,
+        pos: jax.Array,
+        stop: jax.Array,
+        key: jax.Array,
+        sampling: Sampling,
+        max_new: int,
+    ) -> jax.Array:
+        """(rows, max_new) new token ids of a `layout`, from the jitted loop, on the device.
+
+        `params` stand in for the model's own (GRPO samples with the policy's current
+        weights); a row is zero after its first `stop` token."""
+        out, _ = self._loop(params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new)
+        return out
 
     def completion(self, row: np.ndarray, stop: jax.Array) -> Completion:
         stop = np.asarray(stop)

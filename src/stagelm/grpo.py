@@ -33,11 +33,12 @@ import optax
 from flax import nnx
 
 from stagelm.config import GrpoConfig
+from stagelm.errors import StagelmError
 from stagelm.generate import Generator, Sampling
 from stagelm.sharding import to_host
 from stagelm.tasks import check_answer
 from stagelm.tokenizer import chat_prompt_ids, chat_segments
-from stagelm.train import LossFn, next_token_targets
+from stagelm.trainstep import LossFn, next_token_targets
 
 
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
@@ -186,8 +187,7 @@ class Rollouts:
         sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p)
         tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
         stop = gen.stop_mask(chat=True, stop_at_newline=True)
-        out, _ = gen._loop(policy, tokens, seg, pos, stop, key, sampling.arrays(), max_new=cfg.max_new_tokens)
-        out = to_host(out)
+        out = to_host(gen.decode(policy, tokens, seg, pos, stop, key, sampling, cfg.max_new_tokens))
         rollout_s = time.perf_counter() - t0
 
         rewards, correct, formed, lengths = [], [], [], []
@@ -240,7 +240,10 @@ class Rollouts:
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state["update"] != 0:
-            raise ValueError("a GRPO checkpoint must fall between rollouts")
+            raise StagelmError(
+                f"a GRPO checkpoint at update {state['update']} of a rollout: checkpoints fall between "
+                "rollouts; delete this run's folder under runs/.checkpoints/grpo/ to start over"
+            )
         self.rollout, self.update = state["rollout"], 0
 
 

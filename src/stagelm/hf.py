@@ -46,19 +46,19 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": np.asarray(model.embed[...])}
     for i, block in enumerate(model.blocks):
         p = f"model.layers.{i}."
-        kv = np.asarray(block.attn.kv[...])
-        gate_up = np.asarray(block.mlp.gate_up[...])
+        kv = np.asarray(block.attn.kv.w[...])
+        gate_up = np.asarray(block.mlp.gate_up.w[...])
         out.update(
             {
                 p + "input_layernorm.weight": np.asarray(block.attn_norm[...]),
                 p + "post_attention_layernorm.weight": np.asarray(block.mlp_norm[...]),
-                p + "self_attn.q_proj.weight": np.asarray(block.attn.q[...]).reshape(d, h * dh).T,
+                p + "self_attn.q_proj.weight": np.asarray(block.attn.q.w[...]).reshape(d, h * dh).T,
                 p + "self_attn.k_proj.weight": kv[:, 0].reshape(d, k * dh).T,
                 p + "self_attn.v_proj.weight": kv[:, 1].reshape(d, k * dh).T,
-                p + "self_attn.o_proj.weight": np.asarray(block.attn.o[...]).reshape(h * dh, d).T,
+                p + "self_attn.o_proj.weight": np.asarray(block.attn.o.w[...]).reshape(h * dh, d).T,
                 p + "mlp.gate_proj.weight": gate_up[:, 0].T,
                 p + "mlp.up_proj.weight": gate_up[:, 1].T,
-                p + "mlp.down_proj.weight": np.asarray(block.mlp.down[...]).T.reshape(d, f),
+                p + "mlp.down_proj.weight": np.asarray(block.mlp.down.w[...]).T.reshape(d, f),
             }
         )
     out["model.norm.weight"] = np.asarray(model.final_norm[...])
@@ -100,7 +100,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the transformers Llama checkpoint of stagelm model `model_dir` into `out_dir`."""
     from safetensors.numpy import save_file
 
-    from stagelm.modelio import load_model, read_model_context
+    from stagelm.modeldir import load_model, read_model_context
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     model = load_model(model_dir)
@@ -225,13 +225,13 @@ def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any
             {
                 ("blocks", i, "attn_norm"): get(p + "input_layernorm.weight"),
                 ("blocks", i, "mlp_norm"): get(p + "post_attention_layernorm.weight"),
-                ("blocks", i, "attn", "q"): q,
-                ("blocks", i, "attn", "kv"): np.stack([kk, v], axis=1),
-                ("blocks", i, "attn", "o"): get(p + "self_attn.o_proj.weight").T.reshape(h, dh, d),
-                ("blocks", i, "mlp", "gate_up"): np.stack(
+                ("blocks", i, "attn", "q", "w"): q,
+                ("blocks", i, "attn", "kv", "w"): np.stack([kk, v], axis=1),
+                ("blocks", i, "attn", "o", "w"): get(p + "self_attn.o_proj.weight").T.reshape(h, dh, d),
+                ("blocks", i, "mlp", "gate_up", "w"): np.stack(
                     [get(p + "mlp.gate_proj.weight").T, get(p + "mlp.up_proj.weight").T], axis=1
                 ),
-                ("blocks", i, "mlp", "down"): get(p + "mlp.down_proj.weight").T.reshape(f, d),
+                ("blocks", i, "mlp", "down", "w"): get(p + "mlp.down_proj.weight").T.reshape(f, d),
             }
         )
     graphdef, state = nnx.split(model)

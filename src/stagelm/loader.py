@@ -74,6 +74,11 @@ class PackedRows:
     def __len__(self) -> int:
         return self.rows
 
+    def require_tokenizer(self, tokenizer: Path) -> None:
+        """Fail unless this split was packed with `tokenizer` (a tokenizer.json: a model's or the pipeline's)."""
+        if self.manifest["tokenizer_sha256"] != sha256_file(tokenizer):
+            raise StagelmError(f"{self.dir}: packed with another tokenizer than {tokenizer}; rerun `dvc repro`")
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         shard = bisect.bisect_right(self.starts, index) - 1
         local = index - self.starts[shard]

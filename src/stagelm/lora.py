@@ -18,20 +18,23 @@ from flax import nnx
 from stagelm.config import LoraConfig
 from stagelm.errors import StagelmError
 from stagelm.files import write_json
-from stagelm.model import Decoder
+from stagelm.model import Decoder, Projection
 
-PROJECTIONS = {"q": ("attn", 1), "kv": ("attn", 1), "o": ("attn", 2), "gate_up": ("mlp", 1), "down": ("mlp", 1)}
+
+def projections(model: nnx.Module) -> list[tuple[tuple, Projection]]:
+    """(path, module) of every projection of `model`, in graph order."""
+    return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Projection)]
 
 
 def check_rank(model: Decoder, lora: LoraConfig, key: str) -> None:
     """Fail naming the key when the rank exceeds a targeted projection's smaller side."""
-    block = model.blocks[0]
-    for name in lora.targets:
-        part, in_dims = PROJECTIONS[name]
-        shape = getattr(getattr(block, part), name).shape
+    for _, projection in projections(model.blocks[0]):
+        shape, in_dims = projection.w.shape, projection.in_dims
         width = min(math.prod(shape[:in_dims]), math.prod(shape[in_dims:]))
-        if lora.rank > width:
-            raise StagelmError(f"{key}.rank: {lora.rank} exceeds the width {width} of projection {name!r}; lower it")
+        if projection.target in lora.targets and lora.rank > width:
+            raise StagelmError(
+                f"{key}.rank: {lora.rank} exceeds the width {width} of projection {projection.target!r}; lower it"
+            )
 
 
 def add_lora(base: Decoder, lora: LoraConfig, rngs: nnx.Rngs, key: str = "sft.lora") -> Decoder:
@@ -58,20 +61,21 @@ def merge_lora(model: Decoder) -> Decoder:
     graphdef, state = nnx.split(merged)
     weights = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.LoRAParam)))
     scale = model.cfg.lora_alpha / model.cfg.lora_rank
-    for layer, block in enumerate(model.blocks):
-        for name, (part, _) in PROJECTIONS.items():
-            adapter = getattr(getattr(block, part), f"{name}_lora")
-            if adapter is None:
-                continue
-            w = weights["blocks"][layer][part][name]
-            delta = (adapter.lora_a[...] @ adapter.lora_b[...]).reshape(w.shape) * scale
-            weights["blocks"][layer][part][name] = (w + delta).astype(w.dtype)
+    for path, projection in projections(model):
+        if projection.lora is None:
+            continue
+        node = weights
+        for key in path:
+            node = node[key]
+        w = node["w"]
+        delta = (projection.lora.lora_a[...] @ projection.lora.lora_b[...]).reshape(w.shape) * scale
+        node["w"] = (w + delta).astype(w.dtype)
     nnx.replace_by_pure_dict(state, drop_adapters(weights))
     return nnx.merge(graphdef, state)
 
 
 def drop_adapters(tree: dict) -> dict:
-    return {k: drop_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if not str(k).endswith("_lora")}
+    return {k: drop_adapters(v) if isinstance(v, dict) else v for k, v in tree.items() if k != "lora"}
 
 
 def save_adapter(out_dir: str | Path, model: Decoder, lora: LoraConfig, base_sha256: str) -> None:

@@ -1,7 +1,8 @@
 """The decoder: a Llama-style transformer in Flax NNX, read top to bottom.
 
-    norm (RMSNorm) → rope (RoPE) → Attention (GQA, segment-aware causal) → MLP (SwiGLU)
-    → Block (pre-norm residual) → Decoder (embed, blocks, final norm, tied or untied head)
+    norm (RMSNorm) → rope (RoPE) → Projection (a weight, optionally LoRA) → Attention (GQA,
+    segment-aware causal) → MLP (SwiGLU) → Block (pre-norm residual) → Decoder (embed, blocks,
+    final norm, tied or untied head)
 
 Packed rows hold several documents: `segment_ids` keep a token from attending to
 another document and `positions` restart at each document, so a document's logits
@@ -12,7 +13,8 @@ Every parameter carries logical axis names (`axes` metadata: "vocab", "embed",
 mesh, so the same code runs on one device or shards over data, fsdp and tensor.
 Attention and MLP weights are stored per head / fused (q: (D, H, Dh), kv: (D, 2, K, Dh),
 gate_up: (D, 2, F)) so that tensor parallelism can split heads and the MLP's hidden
-width without mixing q, k and v.
+width without mixing q, k and v. Each is a `Projection` (`attn.q.w`, `mlp.down.w`, ...)
+named in `config.PROJECTIONS`, so `self.q(x)` reads as the math does.
 """
 
 import dataclasses
@@ -24,17 +26,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from stagelm.config import ModelShape
 from stagelm.sharding import constrain
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(ModelShape):
+    """The decoder as it runs: the shape params.yaml gives (`config.ModelShape`: model,
+    distill.student, benchmark), the vocabulary its tokenizer gives, and the rest."""
+
     vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
@@ -123,47 +124,52 @@ def matmul(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
     return y.reshape(*lead, *w.shape[in_dims:])
 
 
-def make_adapter(cfg: DecoderConfig, name: str, shape: tuple[int, ...], in_dims: int, rngs: nnx.Rngs) -> Any:
-    """A LoRA adapter (nnx.LoRA: x·A·B, B starting at zero) for projection `name`, or None when not targeted."""
-    if cfg.lora_rank == 0 or name not in cfg.lora_targets:
-        return None
-    fan_in, fan_out = math.prod(shape[:in_dims]), math.prod(shape[in_dims:])
-    return nnx.LoRA(fan_in, cfg.lora_rank, fan_out, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+class Projection(nnx.Module):
+    """One weight `w` of a block applied as x @ w over w's first `in_dims` axes, plus the
+    LoRA adapter on it (`lora`: nnx.LoRA, x·A·B with B starting at zero) when
+    `cfg.lora_targets` names it. The projections are named in `config.PROJECTIONS`."""
 
+    def __init__(self, cfg: DecoderConfig, name: str, w: nnx.Param, in_dims: int, rngs: nnx.Rngs):
+        self.w, self.in_dims, self.cfg = w, in_dims, cfg
+        self.target = name  # its name in config.PROJECTIONS and lora.targets
+        fan_in, fan_out = math.prod(w.shape[:in_dims]), math.prod(w.shape[in_dims:])
+        targeted = cfg.lora_rank > 0 and name in cfg.lora_targets
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.lora = nnx.LoRA(fan_in, cfg.lora_rank, fan_out, param_dtype=dtype, rngs=rngs) if targeted else None
 
-def project(module: nnx.Module, name: str, x: jax.Array, in_dims: int = 1, rng: jax.Array | None = None) -> jax.Array:
-    """x @ W_name, plus (alpha / rank)·dropout(x)·A·B when the projection carries a LoRA adapter."""
-    w = getattr(module, name)[...]
-    y = matmul(x, w, in_dims)
-    adapter = getattr(module, f"{name}_lora")
-    if adapter is None:
-        return y
-    cfg = module.cfg
-    h = x.reshape(-1, math.prod(w.shape[:in_dims]))
-    if rng is not None and cfg.lora_dropout > 0:
-        keep = jax.random.bernoulli(jax.random.fold_in(rng, zlib.crc32(name.encode())), 1 - cfg.lora_dropout, h.shape)
-        h = jnp.where(keep, h / (1 - cfg.lora_dropout), 0).astype(h.dtype)
-    delta = adapter(h).astype(y.dtype) * (cfg.lora_alpha / cfg.lora_rank)
-    return y + delta.reshape(y.shape)
+    def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        """x @ w, plus (alpha / rank)·dropout(x)·A·B with an adapter (`rng` drives the dropout)."""
+        y = matmul(x, self.w[...], self.in_dims)
+        if self.lora is None:
+            return y
+        cfg = self.cfg
+        h = x.reshape(-1, math.prod(self.w.shape[: self.in_dims]))
+        if rng is not None and cfg.lora_dropout > 0:
+            salt = zlib.crc32(self.target.encode())
+            keep = jax.random.bernoulli(jax.random.fold_in(rng, salt), 1 - cfg.lora_dropout, h.shape)
+            h = jnp.where(keep, h / (1 - cfg.lora_dropout), 0).astype(h.dtype)
+        delta = self.lora(h).astype(y.dtype) * (cfg.lora_alpha / cfg.lora_rank)
+        return y + delta.reshape(y.shape)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, h, k, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual init
-        self.q = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), cfg.init_std, pd)
-        self.kv = param(rngs, (d, 2, k, dh), ("embed", None, "kv_heads", "head_dim"), cfg.init_std, pd)
-        self.o = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), out_std, pd)
-        self.q_lora = make_adapter(cfg, "q", (d, h, dh), 1, rngs)
-        self.kv_lora = make_adapter(cfg, "kv", (d, 2, k, dh), 1, rngs)
-        self.o_lora = make_adapter(cfg, "o", (h, dh, d), 2, rngs)
+        # Every weight is drawn before any adapter, so a model's weights are the same with or without LoRA.
+        q = param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), cfg.init_std, pd)
+        kv = param(rngs, (d, 2, k, dh), ("embed", None, "kv_heads", "head_dim"), cfg.init_std, pd)
+        o = param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), out_std, pd)
+        self.q = Projection(cfg, "q", q, 1, rngs)
+        self.kv = Projection(cfg, "kv", kv, 1, rngs)
+        self.o = Projection(cfg, "o", o, 2, rngs)
         self.cfg = cfg
 
     def project_qkv(
         self, x: jax.Array, positions: jax.Array, rng: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q = project(self, "q", x, rng=rng)  # (B, T, H, Dh)
-        kv = project(self, "kv", x, rng=rng)  # (B, T, 2, K, Dh)
+        q = self.q(x, rng)  # (B, T, H, Dh)
+        kv = self.kv(x, rng)  # (B, T, 2, K, Dh)
         q = rope(q, positions, self.cfg.rope_theta)
         k = rope(kv[:, :, 0], positions, self.cfg.rope_theta)
         return q, k, kv[:, :, 1]
@@ -171,7 +177,7 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         q, k, v = self.project_qkv(x, positions, rng)
         y = constrain(attention(q, k, v, mask), ("batch", "seq", "heads", "head_dim"))
-        return project(self, "o", y, in_dims=2, rng=rng)
+        return self.o(y, rng)
 
     def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
@@ -180,22 +186,22 @@ class Attention(nnx.Module):
         k_all = jax.lax.dynamic_update_slice(layer.k, k.astype(layer.k.dtype), start)
         v_all = jax.lax.dynamic_update_slice(layer.v, v.astype(layer.v.dtype), start)
         y = attention(q, k_all.astype(x.dtype), v_all.astype(x.dtype), mask)
-        return project(self, "o", y, in_dims=2), LayerCache(k_all, v_all)
+        return self.o(y), LayerCache(k_all, v_all)
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
-        self.gate_up = param(rngs, (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pd)
-        self.down = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers), pd)
-        self.gate_up_lora = make_adapter(cfg, "gate_up", (d, 2, f), 1, rngs)
-        self.down_lora = make_adapter(cfg, "down", (f, d), 1, rngs)
+        gate_up = param(rngs, (d, 2, f), ("embed", None, "mlp"), cfg.init_std, pd)
+        down = param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers), pd)
+        self.gate_up = Projection(cfg, "gate_up", gate_up, 1, rngs)
+        self.down = Projection(cfg, "down", down, 1, rngs)
         self.cfg = cfg
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        gu = project(self, "gate_up", x, rng=rng)  # (B, T, 2, F)
+        gu = self.gate_up(x, rng)  # (B, T, 2, F)
         h = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], ("batch", "seq", "mlp"))  # SwiGLU (Shazeer, 2020)
-        return project(self, "down", h, rng=rng)
+        return self.down(h, rng)
 
 
 class Block(nnx.Module):

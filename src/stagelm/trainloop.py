@@ -9,6 +9,10 @@ or any `BatchSource` (GRPO's rollouts of the current policy).
 
 Metrics reach the host one step late: step i's loss is read after step i+1 was
 dispatched, so the device never waits for the host.
+
+`start_training` and `record_training` are the frame of the four training stage
+scripts: the command line, joining the other processes, the mesh, and the
+provenance record of the run.
 """
 
 import dataclasses
@@ -21,14 +25,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from stagelm.batching import evaluate, global_batch
 from stagelm.checkpoint import Checkpoints, other_fingerprints
-from stagelm.config import TrainingConfig
+from stagelm.config import OptimizerConfig, load_section
+from stagelm.distributed import initialize
 from stagelm.errors import StagelmError
+from stagelm.hardware import describe_devices
 from stagelm.loader import MixedRows, PackedRows, batch_iterator
+from stagelm.meshbatch import evaluate, global_batch
 from stagelm.metrics import MetricLog
-from stagelm.sharding import param_shardings, replicated
-from stagelm.train import (
+from stagelm.sharding import make_mesh, param_shardings, replicated
+from stagelm.stage import Stage, start
+from stagelm.trainstep import (
     LossFn,
     TrainState,
     init_state,
@@ -78,6 +85,25 @@ class TrainResult:
     resumed_from: int | None
 
 
+def start_training(doc: str | None, *paths: str) -> tuple[Stage, jax.sharding.Mesh]:
+    """A training stage's start: its command line (`stage.start`), joining jax.distributed
+    when launched as one of several processes, and the mesh params.yaml's `mesh` asks for."""
+    stage = start(doc, *paths)
+    initialize()
+    mesh_cfg = load_section(stage.params, "mesh")
+    return stage, make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+
+
+def record_training(
+    stage: Stage, result: TrainResult, fingerprint: str, read: dict, inputs: dict, **extra: Any
+) -> None:
+    """provenance.json of a training run (process 0 writes it): the run's fingerprint, where
+    it resumed, its devices and summary, and `extra`."""
+    if jax.process_index() == 0:
+        run = {"fingerprint": fingerprint, "resumed_from": result.resumed_from, "devices": describe_devices()}
+        stage.record(stage.args.out / "provenance.json", read, inputs, {**run, "summary": result.summary, **extra})
+
+
 def shard_state(model: nnx.Module, trainable: Any, mesh: jax.sharding.Mesh) -> tuple[Any, Any, Any, Any]:
     """(graphdef, params, frozen, params shardings) of `model`, placed on `mesh`."""
     graphdef, params, frozen = nnx.split(model, trainable, ...)
@@ -102,7 +128,7 @@ def state_shardings(tx: Any, params: Any, p_sh: Any, mesh: jax.sharding.Mesh) ->
 
 def train(
     model: nnx.Module,
-    cfg: TrainingConfig,
+    cfg: OptimizerConfig,
     train_rows: PackedRows | MixedRows | None,
     val_rows: PackedRows,
     *,
@@ -121,10 +147,13 @@ def train(
     """Train `model` for `cfg.steps` steps (resuming when a checkpoint exists) and return it.
 
     `eval_loss_fn` (default `loss_fn`) gives val/loss on `val_rows`; `batches` (default:
-    `train_rows` through Grain) gives the training batches.
+    `train_rows` through Grain) gives the training batches. `cfg` is a stage's section
+    (training, sft, distill or grpo) with its `batch_size` and `grad_accum`; errors name its keys.
     """
     if cfg.batch_size % jax.process_count():
-        raise StagelmError(f"training.batch_size: {cfg.batch_size} does not split over {jax.process_count()} processes")
+        raise StagelmError(
+            f"{cfg.section}.batch_size: {cfg.batch_size} does not split over {jax.process_count()} processes"
+        )
     with jax.set_mesh(mesh):
         graphdef, params, frozen, p_sh = shard_state(model, trainable, mesh)
         tx = make_optimizer(cfg, params)

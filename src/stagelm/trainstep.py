@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from stagelm.config import TrainingConfig
+from stagelm.config import OptimizerConfig
 
 # (model, batch, rng) -> (loss sum, weight) or (loss sum, weight, {name: sum}); the step reports
 # each aux sum divided by the weight, like the loss.
@@ -56,7 +56,7 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array | Non
     return jnp.sum(ce * weights), jnp.sum(weights)
 
 
-def lr_schedule(cfg: TrainingConfig) -> optax.Schedule:
+def lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """constant, cosine or warmup-stable-decay (Hu et al., 2024, MiniCPM), each after linear warmup."""
     floor = cfg.lr * cfg.min_lr_ratio
     warm = max(cfg.warmup_steps, 1)
@@ -86,7 +86,7 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: TrainingConfig, params: Any) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, params: Any) -> optax.GradientTransformation:
     adamw = optax.adamw(
         lr_schedule(cfg),
         b1=cfg.beta1,
