@@ -24,6 +24,7 @@ from stagelm.lora import add_lora, merge_lora
 from stagelm.model import count_params
 from stagelm.modeldir import load_model, read_model_context, save_model
 from stagelm.rawdata import read_raw
+from stagelm.tasks import require_families
 from stagelm.tokenizer import load_tokenizer
 from stagelm.trainloop import record_training, start_training, train
 from stagelm.trainstep import lm_loss
@@ -33,6 +34,8 @@ def main() -> None:
     stage, mesh = start_training(__doc__, "model", "raw", "val", "out", "checkpoints")
     args = stage.args
     cfg = load_section(stage.params, "grpo")
+    require_families(cfg.families, "grpo.families")
+
     seed = load_seed(stage.params)
 
     tokenizer_file = args.model / "tokenizer.json"

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from conftest import env_with_venv, make_project, micro_params, run, write_params
 
-from stagelm.config import FAMILIES
 from stagelm.files import read_json
 from stagelm.generate import load_generator
 from stagelm.loader import PackedRows
+from stagelm.tasks import FAMILIES
 
 MODELS = ("pretrain", "sft", "distill", "grpo")  # the model stages, as dvc.yaml's `models` var lists them
 

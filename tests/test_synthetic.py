@@ -4,7 +4,11 @@ import hashlib
 import json
 
 from stagelm import synthetic
-from stagelm.tasks import FAMILIES, arithmetic_task, check_answer, first_sentence, uses_word_task, word_limit_task
+from stagelm.tasks import FAMILIES, REGISTRY, Family, Task, check_answer, first_sentence
+from stagelm.tasks.arithmetic import arithmetic_task
+from stagelm.tasks.uses_word import uses_word_task
+from stagelm.tasks.word_limit import word_limit_task
+from stagelm.tasks.words import NAMES, PLACES
 
 
 def digest(generated: dict) -> str:
@@ -44,18 +48,18 @@ def test_eval_problems_never_appear_in_training_sets_or_corpus():
     assert not [t for t in g["eval"] if t.family == "uses_word" and t.prompt in corpus]
 
 
-def test_word_limit_is_asked_only_in_the_rl_and_eval_sets(monkeypatch):
+def test_word_limit_is_asked_only_in_the_rl_and_eval_sets():
     g = synthetic.generate(0, 3000, 2000, 1000, 1000)
     limits = [t for t in g["rl"] if t.family == "word_limit"]
-    assert len(limits) == 6 * len(synthetic.NAMES) * len(synthetic.PLACES) - 1000
+    assert len(limits) == 6 * len(NAMES) * len(PLACES) - 1000
     assert len({t.prompt for t in limits}) == len(limits)  # each training-pool problem once
     assert {t.spec["max_words"] for t in limits} == set(range(3, 9))
     assert not [m for m in g["sft"] if m["family"] == "word_limit" or "Use at most" in m["messages"][0]["content"]]
     corpus = "\n".join(g["corpus"])
     assert "Use at most" not in corpus and not [t for t in limits if t.prompt in corpus]
     # Its own random stream: everything else is what it is without the family.
-    monkeypatch.setattr(synthetic, "word_limit_problems", lambda: [])
-    without = synthetic.generate(0, 3000, 2000, 1000, 1000)
+    others = {name: family for name, family in REGISTRY.items() if name != "word_limit"}
+    without = synthetic.generate(0, 3000, 2000, 1000, 1000, families=others)
     assert without["corpus"] == g["corpus"] and without["sft"] == g["sft"]
     assert without["rl"] == [t for t in g["rl"] if t.family != "word_limit"]
     assert without["eval"] == [t for t in g["eval"] if t.family != "word_limit"]
@@ -91,3 +95,22 @@ def test_checkers_accept_reference_answers_and_reject_wrong_ones():
     assert check_answer("word_limit", limit.spec, " 9 plus 40.") == (False, False)  # not a sentence of words
     assert check_answer("word_limit", limit.spec, " cake to Lucy.") == (False, False)  # not capitalised
     assert check_answer("word_limit", limit.spec, ' "Hi," said Mia.') == (True, True)
+
+
+def test_a_new_family_is_one_family_object_and_changes_nothing_else():
+    # What a new module under stagelm/tasks/ provides; rl/eval-only, so it draws from its own stream.
+    def ask(rng, problem):
+        word = problem[0]
+        return Task("echo", f"Echo {word}:", f"Say {word}.", f" {word}.", f"{word}.", {"word": word})
+
+    def check(spec, completion):
+        sentence = first_sentence(completion)
+        return sentence.endswith("."), sentence == f"{spec['word']}."
+
+    echo = Family("echo", lambda: [(w,) for w in ("Apple", "Boat", "Cup", "Drum")], ask, check)
+    base = synthetic.generate(0, 50, 20, 20, 2)
+    more = synthetic.generate(0, 50, 20, 20, 2, families={**REGISTRY, "echo": echo})
+    assert [t for t in more["rl"] + more["eval"] if t.family != "echo"] == base["rl"] + base["eval"]
+    assert more["corpus"] == base["corpus"] and more["sft"] == base["sft"]
+    echoed = [t for t in more["eval"] if t.family == "echo"]
+    assert len(echoed) == 2 and all(check(t.spec, t.answer) == (True, True) for t in echoed)

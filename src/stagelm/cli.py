@@ -53,6 +53,9 @@ def check(args: argparse.Namespace) -> None:
     load_seed(params)
     for name in SECTIONS:
         load_section(params, name)
+    from stagelm.tasks import require_families
+
+    require_families(load_section(params, "grpo").families, "grpo.families")
     print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
     paths = pipeline_vars(Path(args.pipeline))
     raw = Path(paths.get("raw_dir", "data/raw"))

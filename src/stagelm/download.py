@@ -226,7 +226,7 @@ def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
             if missing:
                 raise StagelmError(f"{file}:{i}: missing {missing} for {key}")
             if name != "sft" and row["family"] not in FAMILIES:
-                raise StagelmError(f"{file}:{i}: unknown family {row['family']!r}; expected one of {FAMILIES}")
+                raise StagelmError(f"{file}:{i}: unknown family {row['family']!r}; expected one of {list(FAMILIES)}")
             if name != "sft":
                 row = {"answer": "", "chat_answer": "", **row, "spec": json.dumps(row["spec"])}
             rows.append(row)

@@ -1,63 +1,37 @@
 """The synthetic source: a corpus and task sets generated from `data.seed`.
 
-Everything comes from `random.Random(seed)` (the word_limit family from a second
-stream of the same seed), whose stream CPython keeps stable across platforms and
-versions, so the output is byte-identical on every machine.
+Everything comes from `random.Random(seed)` (a family asked only in the rl and eval
+sets from a stream of its own, `random.Random(f"{seed}:{family}")`), whose stream
+CPython keeps stable across platforms and versions, so the output is byte-identical
+on every machine.
 
 The corpus mixes templated short stories (characters, places, objects, dialogue,
-small sums told in words), arithmetic sheets in the completion format of
-`stagelm.tasks` (`23 plus 58 is 81.`) and sheets of constrained sentences. Before
-anything is drawn, each family's problem space is split: the first `num_eval`
-problems of a seeded shuffle are held out for eval and never appear in the corpus,
-the SFT set or the RL set.
+small sums told in words) with each taught family's corpus documents (arithmetic
+sheets in the completion format, `23 plus 58 is 81.`, and sheets of constrained
+sentences), in the shares `stagelm.tasks` registers. Before anything is drawn, each
+family's problem space is split: the first `num_eval` problems of a seeded shuffle
+are held out for eval and never appear in the corpus, the SFT set or the RL set.
 """
 
 import random
 from collections.abc import Callable
 
-from stagelm.tasks import Task, arithmetic_task, uses_word_task, word_limit_task
+from stagelm.tasks import REGISTRY, Family, Task
+from stagelm.tasks.family import Problem
+from stagelm.tasks.words import (
+    ADJECTIVES,
+    ANIMALS,
+    COLORS,
+    COUNT_NOUNS,
+    FEELINGS,
+    NAMES,
+    OBJECTS,
+    PLACES,
+    TIMES,
+    WEATHER,
+)
 
-# fmt: off
-NAMES = [
-    "Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Lily", "Max", "Ella", "Ben", "Nora", "Jack",
-    "Ruby", "Finn", "Ivy", "Owen", "Lucy", "Noah", "Rosa", "Eli", "Anna", "Hugo", "Jade", "Omar",
-]
-PLACES = [
-    "garden", "forest", "kitchen", "park", "river", "school", "market", "beach", "farm", "library",
-    "hill", "village", "castle", "cave", "lake", "bakery",
-]
-OBJECTS = [
-    "ball", "lamp", "book", "kite", "hat", "cup", "key", "box", "shoe", "coin", "map", "bell",
-    "drum", "boat", "cake", "apple", "leaf", "stone", "rope", "brush", "spoon", "clock", "flag",
-    "shell", "ring", "basket", "candle", "pencil", "blanket", "button", "feather", "mirror",
-    "ladder", "bucket", "whistle", "pillow", "jar", "sock", "scarf", "umbrella", "wagon", "violin",
-    "puzzle", "balloon", "bottle", "carrot", "cookie", "lantern", "ticket", "window", "teapot",
-    "rocket", "robot", "painting", "letter", "crown", "compass", "tent", "sandwich", "marble",
-]
-ANIMALS = ["cat", "dog", "fox", "owl", "rabbit", "duck", "frog", "bear", "mouse", "horse", "goat", "turtle"]
-ADJECTIVES = ["big", "small", "old", "new", "shiny", "quiet", "funny", "brave", "tiny", "soft", "strange", "happy"]
-COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "pink", "brown"]
-FEELINGS = ["happy", "sad", "proud", "tired", "excited", "scared", "calm", "surprised"]
-WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "snowy"]
-TIMES = ["morning", "evening", "afternoon", "night", "day"]
-COUNT_NOUNS = ["apples", "stones", "shells", "coins", "cookies", "marbles", "leaves", "buttons"]
-# fmt: on
-
-Problem = tuple  # a family's problem key, e.g. (23, "plus", 58) or ("Mia", "lamp", 8)
-
-
-def arithmetic_problems() -> list[Problem]:
-    adds = [(a, "plus", b) for a in range(100) for b in range(100)]
-    subs = [(a, "minus", b) for a in range(100) for b in range(a + 1)]
-    return adds + subs
-
-
-def uses_word_problems() -> list[Problem]:
-    return [(n, w, k) for n in NAMES for w in OBJECTS for k in range(5, 13)]
-
-
-def word_limit_problems() -> list[Problem]:
-    return [(n, p, k) for n in NAMES for p in PLACES for k in range(3, 9)]
+STORY_SHARE = 0.45  # of the corpus documents; the taught families' documents share the rest
 
 
 def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random) -> tuple[list, list]:
@@ -67,57 +41,7 @@ def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random)
     return order[:n_held_out], order[n_held_out:]
 
 
-# --- sentences ----------------------------------------------------------------------
-
-_USES_WORD_TEMPLATES = [
-    "{name} found a {word}.",
-    "{name} gave the {word} to {other}.",
-    "The {word} was {adj}, said {name}.",
-    "{name} put a {word} near the {place}.",
-    "{name} likes the {color} {word} very much.",
-    "{name} saw a {adj} {word} in the {place}.",
-    "One {time}, {name} lost the {color} {word} at the {place}.",
-]
-
-
-def constrained_sentence(rng: random.Random, name: str, word: str, max_words: int) -> str:
-    """A sentence about `name` that uses `word` in at most `max_words` words."""
-    fitting = [t for t in _USES_WORD_TEMPLATES if len(t.split()) <= max_words]
-    template = rng.choice(fitting)
-    other = rng.choice([n for n in NAMES if n != name])
-    return template.format(
-        name=name,
-        word=word,
-        other=other,
-        adj=rng.choice(ADJECTIVES),
-        color=rng.choice(COLORS),
-        place=rng.choice(PLACES),
-        time=rng.choice(TIMES),
-    )
-
-
-_WORD_LIMIT_TEMPLATES = [
-    "{name} smiled.",
-    "{name} was {feel}.",
-    "{name} ran to the {place}.",
-    "{name} liked the {adj} {place}.",
-    "{name} played at the {place} today.",
-    "{name} saw a {animal} at the {place}.",
-    "{name} walked to the {place} one {time}.",
-]
-
-
-def limited_sentence(rng: random.Random, name: str, place: str, max_words: int) -> str:
-    """A reference answer: a sentence about `name` at `place` in at most `max_words` words."""
-    template = rng.choice([t for t in _WORD_LIMIT_TEMPLATES if len(t.split()) <= max_words])
-    return template.format(
-        name=name,
-        place=place,
-        feel=rng.choice(FEELINGS),
-        adj=rng.choice(ADJECTIVES),
-        animal=rng.choice(ANIMALS),
-        time=rng.choice(TIMES),
-    )
+# --- stories ------------------------------------------------------------------------
 
 
 def story(rng: random.Random, facts: list[Problem]) -> str:
@@ -173,43 +97,38 @@ def story(rng: random.Random, facts: list[Problem]) -> str:
     return " ".join(s.format(**w) for s in sentences)
 
 
-def arithmetic_sheet(rng: random.Random, facts: list[Problem]) -> str:
-    lines = [arithmetic_task(*rng.choice(facts)) for _ in range(rng.randint(4, 10))]
-    return "\n".join(t.prompt + t.answer for t in lines)
-
-
-def uses_word_sheet(rng: random.Random, problems: list[Problem]) -> str:
-    lines = [uses_word_from(rng, rng.choice(problems)) for _ in range(rng.randint(3, 6))]
-    return "\n".join(t.prompt + t.answer for t in lines)
-
-
-def uses_word_from(rng: random.Random, problem: Problem) -> Task:
-    name, word, k = problem
-    return uses_word_task(name, word, k, constrained_sentence(rng, name, word, k))
-
-
 # --- the whole source ---------------------------------------------------------------
 
 
-def generate(seed: int, num_documents: int, num_sft: int, num_rl: int, num_eval: int) -> dict[str, list]:
+def generate(
+    seed: int, num_documents: int, num_sft: int, num_rl: int, num_eval: int, families: dict[str, Family] = REGISTRY
+) -> dict[str, list]:
     """Corpus documents and task sets: {"corpus": [str], "sft": [messages], "rl": [Task], "eval": [Task]}."""
     rng = random.Random(seed)
-    held_arith, arith = split_problems(arithmetic_problems(), num_eval, rng)
-    held_words, words = split_problems(uses_word_problems(), num_eval, rng)
+    taught = [f for f in families.values() if f.sft_share > 0]
+    held, pools = {}, {}
+    for family in taught:
+        held[family.name], pools[family.name] = split_problems(family.problems(), num_eval, rng)
 
-    kinds: list[tuple[float, Callable[[], str]]] = [
-        (0.45, lambda: story(rng, arith)),
-        (0.40, lambda: arithmetic_sheet(rng, arith)),
-        (0.15, lambda: uses_word_sheet(rng, words)),
-    ]
-    corpus = [rng.choices([k for _, k in kinds], weights=[w for w, _ in kinds])[0]() for _ in range(num_documents)]
+    facts = pools.get("arithmetic", [])  # the stories tell sums of the arithmetic training pool
+    kinds: list[tuple[float, Callable[[], str]]] = [(STORY_SHARE if facts else 0.0, lambda: story(rng, facts))]
+    for f in taught:
+        if f.corpus is not None and f.corpus_share > 0:
+            kinds.append((f.corpus_share, lambda f=f: f.corpus(rng, pools[f.name])))
+    weights = [w for w, _ in kinds]
+    corpus = (
+        [rng.choices([k for _, k in kinds], weights=weights)[0]() for _ in range(num_documents)] if any(weights) else []
+    )
 
     def training_task() -> Task:
-        if rng.random() < 0.7:
-            return arithmetic_task(*rng.choice(arith))
-        return uses_word_from(rng, rng.choice(words))
+        draw, bound = rng.random(), 0.0
+        for family in taught:
+            bound += family.sft_share
+            if draw < bound or family is taught[-1]:
+                return family.ask(rng, rng.choice(pools[family.name]))
+        raise AssertionError("unreachable: the last taught family takes the rest")
 
-    sft_tasks = [training_task() for _ in range(num_sft)]
+    sft_tasks = [training_task() for _ in range(num_sft)] if taught else []
     sft = [
         {
             "family": t.family,
@@ -217,13 +136,16 @@ def generate(seed: int, num_documents: int, num_sft: int, num_rl: int, num_eval:
         }
         for t in sft_tasks
     ]
-    rl = [training_task() for _ in range(num_rl)]
-    evals = [arithmetic_task(*p) for p in held_arith] + [uses_word_from(rng, p) for p in held_words]
+    rl = [training_task() for _ in range(num_rl)] if taught else []
+    evals = [f.ask(rng, p) for f in taught for p in held[f.name]]
 
-    # word_limit is asked only in the rl and eval sets, from its own stream, so the
+    # A family asked only in the rl and eval sets draws from its own stream, so the
     # corpus, the SFT set and the other families' prompts do not depend on it.
-    limit_rng = random.Random(f"{seed}:word_limit")
-    held_limits, limits = split_problems(word_limit_problems(), num_eval, limit_rng)
-    rl += [word_limit_task(*p, limited_sentence(limit_rng, *p)) for p in limits]
-    evals += [word_limit_task(*p, limited_sentence(limit_rng, *p)) for p in held_limits]
+    for family in families.values():
+        if family.sft_share > 0:
+            continue
+        own = random.Random(f"{seed}:{family.name}")
+        held_out, pool = split_problems(family.problems(), num_eval, own)
+        rl += [family.ask(own, p) for p in pool]
+        evals += [family.ask(own, p) for p in held_out]
     return {"corpus": corpus, "sft": sft, "rl": rl, "eval": evals}

@@ -1,0 +1,43 @@
+"""Task families: the registry.
+
+Each family is one module of this package (its problem space, how a problem is asked
+in the completion and chat formats with a reference answer, its checker, and the
+corpus text it contributes, if any), described by a `family.Family`:
+
+- `arithmetic`: `23 plus 58 is` → ` 81.` (taught: corpus sheets, SFT and RL);
+- `uses_word`: a sentence about a name with a given word in at most k words (taught);
+- `word_limit`: a sentence in at most k words, asked only in the rl and eval sets.
+
+An answer is the completion's first sentence (up to and including the first period).
+
+Adding a family: write `tasks/<name>.py` ending in `FAMILY = Family(...)` (the three
+above are the examples), import it below and add it to `REGISTRY`, and test its
+checker against its own reference answers (tests/test_synthetic.py does so for every
+registered family). The imports are explicit, so `stagelm deps` and dvc.yaml list
+every family file, and editing one reruns the stages that read it.
+"""
+
+from typing import Any
+
+from stagelm.errors import StagelmError
+from stagelm.tasks import arithmetic, uses_word, word_limit
+from stagelm.tasks.family import Family, Task, first_sentence
+
+REGISTRY: dict[str, Family] = {f.name: f for f in (arithmetic.FAMILY, uses_word.FAMILY, word_limit.FAMILY)}
+FAMILIES = tuple(REGISTRY)
+
+__all__ = ["FAMILIES", "REGISTRY", "Family", "Task", "check_answer", "first_sentence", "require_families"]
+
+
+def check_answer(family: str, spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
+    """(well_formed, correct) for a completion of a task of `family`."""
+    if family not in REGISTRY:
+        raise StagelmError(f"unknown task family {family!r}; expected one of {list(FAMILIES)}")
+    return REGISTRY[family].check(spec, completion)
+
+
+def require_families(names: list[str] | tuple[str, ...], key: str) -> None:
+    """Fail naming the params key unless every name is a registered family."""
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise StagelmError(f"{key}: unknown {unknown}; choose among {list(FAMILIES)}")
