@@ -16,14 +16,13 @@ from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
 from stagelm.config import load_section, load_seed, section_dict
-from stagelm.errors import StagelmError, run_main
+from stagelm.errors import run_main
 from stagelm.generate import Generator
-from stagelm.grpo import Rollouts, grpo_loss
+from stagelm.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.loader import PackedRows
 from stagelm.lora import add_lora, merge_lora
 from stagelm.model import count_params
 from stagelm.modeldir import load_model, read_model_context, save_model
-from stagelm.rawdata import read_raw
 from stagelm.tasks import require_families
 from stagelm.tokenizer import load_tokenizer
 from stagelm.trainloop import record_training, start_training, train
@@ -35,16 +34,12 @@ def main() -> None:
     args = stage.args
     cfg = load_section(stage.params, "grpo")
     require_families(cfg.families, "grpo.families")
-
     seed = load_seed(stage.params)
 
     tokenizer_file = args.model / "tokenizer.json"
     val_rows = PackedRows(args.val)
     val_rows.require_tokenizer(tokenizer_file)
-    tasks = read_raw(args.raw, "rl").to_pylist()
-    if not any(t["family"] in cfg.families for t in tasks):
-        found = sorted({t["family"] for t in tasks})
-        raise StagelmError(f"grpo.families: {list(cfg.families)} has no prompt in {args.raw}'s rl set (it has {found})")
+    tasks, anchor = rollout_sets(args.raw, cfg)
 
     read = {"grpo": section_dict(cfg), "seed": seed}
     inputs = {"model": args.model / "params", "rl": args.raw / "manifest.json", "val": args.val / "manifest.json"}
@@ -56,22 +51,8 @@ def main() -> None:
         model, trainable = add_lora(model, cfg.lora, nnx.Rngs(seed), "grpo.lora"), nnx.LoRAParam
     context = read_model_context(args.model)
     gen = Generator(model, load_tokenizer(tokenizer_file), context)
-    # The anchor: SFT conversations of the families the reward does not target.
-    anchor = [c for c in read_raw(args.raw, "sft").to_pylist() if c["family"] not in cfg.families]
-    if cfg.anchor_coef > 0 and len(anchor) < cfg.anchor_rows:
-        raise StagelmError(
-            f"grpo.anchor_coef: {cfg.anchor_coef} needs {cfg.anchor_rows} (grpo.anchor_rows) SFT conversations "
-            f"outside grpo.families in {args.raw}, found {len(anchor)}; set it to 0"
-        )
-    if cfg.anchor_rows % jax.process_count():
-        raise StagelmError(f"grpo.anchor_rows: {cfg.anchor_rows} does not split over {jax.process_count()} processes")
     rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed, anchor)
-    longest = max(len(p) for p in rollouts.prompts)
-    if longest + cfg.max_new_tokens > context:
-        raise StagelmError(
-            f"grpo.max_new_tokens: {cfg.max_new_tokens} plus the longest rl prompt ({longest} tokens) "
-            f"exceed the model's context of {context}; lower it"
-        )
+
     n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, trainable)))
     print(
         f"grpo ({cfg.method}): {n_train:,} of {count_params(model):,} params train; {len(rollouts.tasks)} rl prompts "

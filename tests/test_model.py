@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token, rope
+from stagelm.config import PROJECTIONS
+from stagelm.model import Decoder, DecoderConfig, Projection, count_params, flops_per_token, rope
 
 CFG = DecoderConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -98,3 +99,12 @@ def test_attention_equals_jax_reference(heads, kv_heads):
     grad = jax.grad(lambda q: jnp.sum(attention(q, k, v, mask) ** 2))(q)
     grad_ref = jax.grad(lambda q: jnp.sum(jax.nn.dot_product_attention(q, k, v, mask=mask) ** 2))(q)
     np.testing.assert_allclose(grad, grad_ref, atol=1e-4)
+
+
+def test_the_projections_are_the_ones_config_names():
+    # One list names them (LoRA targets are validated against it); the model builds exactly those.
+    model = Decoder(CFG, nnx.Rngs(0))
+    names = [p.target for _, p in nnx.iter_modules(model.blocks[0]) if isinstance(p, Projection)]
+    assert sorted(names) == sorted(PROJECTIONS) and len(names) == len(PROJECTIONS)
+    paths = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model.blocks[0]))}
+    assert {f"{part}/{name}/w" for part, name in zip(["attn"] * 3 + ["mlp"] * 2, PROJECTIONS, strict=True)} <= paths

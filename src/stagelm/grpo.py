@@ -24,6 +24,7 @@ index, so a run resumed from a checkpoint draws exactly what an uninterrupted ru
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ from flax import nnx
 from stagelm.config import GrpoConfig
 from stagelm.errors import StagelmError
 from stagelm.generate import Generator, Sampling
+from stagelm.rawdata import read_raw
 from stagelm.sharding import to_host
 from stagelm.tasks import check_answer
 from stagelm.tokenizer import chat_prompt_ids, chat_segments
@@ -107,6 +109,24 @@ def graded_length(tokens: list[int], stopped: bool, ends_answer: np.ndarray) -> 
     return int(ends[0]) + 1 if len(ends) else len(tokens) + stopped
 
 
+def rollout_sets(raw: Path, cfg: GrpoConfig) -> tuple[list[dict], list[dict]]:
+    """(rl prompts, anchor conversations) from the download stage's `raw` folder, or one line why
+    they cannot serve `cfg`. The anchor: SFT conversations of the families the reward does not target."""
+    tasks = read_raw(raw, "rl").to_pylist()
+    if not any(t["family"] in cfg.families for t in tasks):
+        found = sorted({t["family"] for t in tasks})
+        raise StagelmError(f"grpo.families: {list(cfg.families)} has no prompt in {raw}'s rl set (it has {found})")
+    anchor = [c for c in read_raw(raw, "sft").to_pylist() if c["family"] not in cfg.families]
+    if cfg.anchor_coef > 0 and len(anchor) < cfg.anchor_rows:
+        raise StagelmError(
+            f"grpo.anchor_coef: {cfg.anchor_coef} needs {cfg.anchor_rows} (grpo.anchor_rows) SFT conversations "
+            f"outside grpo.families in {raw}, found {len(anchor)}; set it to 0"
+        )
+    if cfg.anchor_rows % jax.process_count():
+        raise StagelmError(f"grpo.anchor_rows: {cfg.anchor_rows} does not split over {jax.process_count()} processes")
+    return tasks, anchor
+
+
 class Rollouts:
     """Batches of scored rollouts of the current policy, for `trainloop.train(batches=...)`."""
 
@@ -124,6 +144,13 @@ class Rollouts:
         self.tasks = [t for t in tasks if t["family"] in cfg.families]
         self.prompts = [chat_prompt_ids(gen.tokenizer, t["chat_prompt"]) for t in self.tasks]
         self.specs = [json.loads(t["spec"]) for t in self.tasks]
+        longest = max(len(p) for p in self.prompts)
+        if longest + cfg.max_new_tokens > gen.capacity:
+            raise StagelmError(
+                f"grpo.max_new_tokens: {cfg.max_new_tokens} plus the longest rl prompt ({longest} tokens) "
+                f"exceed the model's context of {gen.capacity}; lower it"
+            )
+
         # Tokens that complete the graded answer (its first sentence: up to a period or a newline).
         vocab = gen.tokenizer.get_vocab_size()
         self.ends_answer = np.array([any(c in gen.tokenizer.decode([i]) for c in ".\n") for i in range(vocab)])
