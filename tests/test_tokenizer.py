@@ -9,6 +9,7 @@ from stagelm.tokenizer import (
     END,
     SPECIAL_TOKENS,
     USER,
+    TrainingSample,
     chat_prompt_ids,
     chat_segments,
     load_tokenizer,
@@ -73,3 +74,37 @@ def test_loads_in_transformers_when_available(tok, tmp_path):
     path.write_text(tok.to_str())
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
     assert fast.decode(fast.encode("Tom has 12 apples.")) == "Tom has 12 apples."
+
+
+def batches_of(docs, size=64):
+    return lambda: (docs[i : i + size] for i in range(0, len(docs), size))
+
+
+def test_a_split_within_the_cap_trains_on_every_document_as_before():
+    docs = synthetic.generate(0, 800, 1, 1, 1)["corpus"]
+    sample = TrainingSample(batches_of(docs), max_chars=10**9, seed=0)
+    assert train_tokenizer(sample, 400).to_str() == train_tokenizer(docs, 400).to_str()
+    assert (
+        (sample.documents, sample.chars)
+        == (len(docs), sum(map(len, docs)))
+        == (
+            sample.total_documents,
+            sample.total_chars,
+        )
+    )
+
+
+def test_a_larger_split_gives_a_bounded_seeded_sample_of_all_of_it():
+    docs = [f"document {i} " + "word " * (i % 7) for i in range(5000)]
+    cap = sum(map(len, docs)) // 4
+
+    def drawn(seed):
+        sample = TrainingSample(batches_of(docs), max_chars=cap, seed=seed)
+        return [t for batch in sample for t in batch], sample
+
+    kept, sample = drawn(0)
+    assert kept == drawn(0)[0] and kept != drawn(1)[0]  # seeded: the same on every run
+    assert 0.8 * cap <= sample.chars == sum(map(len, kept)) <= cap and sample.documents == len(kept)
+    positions = [int(t.split()[1]) for t in kept]
+    assert positions == sorted(positions)  # in corpus order
+    assert sum(p >= 3750 for p in positions) > 0.15 * len(kept)  # drawn from the whole split, not its head

@@ -68,6 +68,9 @@ class DataConfig:
 class TokenizerConfig:
     vocab_size: int = checked(POSITIVE)
     min_frequency: int = checked(POSITIVE)
+    # BPE trains on at most this many characters of the train split (a seeded uniform sample
+    # when the split is larger), so its time and memory do not grow with the corpus.
+    max_train_chars: int = checked(POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)

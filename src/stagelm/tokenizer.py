@@ -13,9 +13,13 @@ template is
     <|user|>{user text}<|end|><|assistant|>{assistant text}<|end|>
 
 and only the assistant text and its `<|end|>` are trained on in SFT.
+
+BPE trains on a bounded sample of the training split (`TrainingSample`,
+`tokenizer.max_train_chars`), so its time and memory do not grow with the corpus.
 """
 
-from collections.abc import Iterable, Sequence
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +54,45 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+class TrainingSample:
+    """The documents BPE trains on, as batches: every document, in order, when they hold at
+    most `max_chars` characters; otherwise each document is kept when a hash of `seed` and
+    its index falls under max_chars / total (a uniform sample of the whole split, the same
+    on every run), in order, up to `max_chars` characters in all.
+
+    `read()` yields the split's documents in batches and is called twice (to count, then to
+    draw), so memory is bounded by one batch plus what BPE keeps. After iterating,
+    `documents` and `chars` say what was used and `total_documents`, `total_chars` what
+    there was.
+    """
+
+    def __init__(self, read: Callable[[], Iterable[list[str]]], max_chars: int, seed: int):
+        self.read, self.max_chars, self.seed = read, max_chars, seed
+        self.documents = self.chars = self.total_documents = self.total_chars = 0
+
+    def keeps(self, index: int, share: float) -> bool:
+        digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") < share * 2**64
+
+    def __iter__(self) -> Iterator[list[str]]:
+        self.total_documents = self.total_chars = 0
+        for batch in self.read():
+            self.total_documents += len(batch)
+            self.total_chars += sum(len(t) for t in batch)
+        share = min(1.0, self.max_chars / max(self.total_chars, 1))
+        self.documents = self.chars = index = 0
+        for batch in self.read():
+            chosen = []
+            for text in batch:
+                if (share == 1.0 or self.keeps(index, share)) and self.chars + len(text) <= self.max_chars:
+                    chosen.append(text)
+                    self.chars += len(text)
+                index += 1
+            self.documents += len(chosen)
+            if chosen:
+                yield chosen
 
 
 def read_tokenizer_file(path: str | Path, fix: str) -> Tokenizer:
