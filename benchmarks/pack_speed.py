@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from stagelm.pack import pack_corpus, write_split
-from stagelm.rawdata import read_raw
+from stagelm.pack import ShardWriter, pack_corpus
+from stagelm.rawdata import iter_column, read_raw
 from stagelm.tokenizer import load_tokenizer
 
 
@@ -41,9 +41,9 @@ def main() -> None:
     raw_s = best_of(args.reps, lambda: tok.encode_batch(texts, add_special_tokens=False))
     with tempfile.TemporaryDirectory() as tmp:
 
-        def pack() -> None:
-            columns, docs = pack_corpus(tok, texts, args.seq_len + 1)
-            write_split(Path(tmp) / "train", columns, 4096, {"documents": docs})
+        def pack() -> None:  # as the stage does: streamed from the Parquet file
+            batches = iter_column(args.raw, "corpus_train", "text")
+            pack_corpus(tok, batches, ShardWriter(Path(tmp) / "train", args.seq_len + 1, 4096), {})
 
         pack_s = best_of(args.reps, pack)
     print(

@@ -6,8 +6,8 @@ python stages/pack.py --params params.yaml --raw data/raw --tokenizer data/token
 from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
 from stagelm.files import sha256_file
-from stagelm.pack import pack_chats, pack_corpus, write_split
-from stagelm.rawdata import read_raw
+from stagelm.pack import ShardWriter, pack_chats, pack_corpus, write_split
+from stagelm.rawdata import iter_column, read_raw
 from stagelm.stage import start
 from stagelm.tokenizer import load_tokenizer
 
@@ -25,10 +25,9 @@ def main() -> None:
         "seq_len": cfg.seq_len,
     }
 
-    for split in ("train", "val"):
-        texts = read_raw(args.raw, f"corpus_{split}").column("text").to_pylist()
-        columns, n_docs = pack_corpus(tok, texts, row_len)
-        m = write_split(args.out / split, columns, cfg.rows_per_shard, {**meta, "documents": n_docs})
+    for split in ("train", "val"):  # streamed: documents in batches, shards written as they fill
+        texts = iter_column(args.raw, f"corpus_{split}", "text")
+        m = pack_corpus(tok, texts, ShardWriter(args.out / split, row_len, cfg.rows_per_shard), meta)
         print(f"pack: {split}: {m['rows']} rows, {m['tokens']} tokens, efficiency {m['packing_efficiency']:.3f}")
     chats = read_raw(args.raw, "sft").column("messages").to_pylist()
     columns, n_docs = pack_chats(tok, chats, row_len)

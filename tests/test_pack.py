@@ -5,7 +5,7 @@ import pytest
 
 from stagelm.files import read_json
 from stagelm.loader import PackedRows
-from stagelm.pack import pack_next_fit, pack_stream
+from stagelm.pack import CorpusPacker, ShardWriter, pack_next_fit, pack_stream, write_split
 from stagelm.rawdata import read_raw
 from stagelm.tokenizer import EOS, encode_batch, load_tokenizer, special_id
 
@@ -72,3 +72,14 @@ def test_sft_rows_train_only_on_assistant_turns(micro_data):
     chats = read_raw(micro_data / "raw", "sft").column("messages").to_pylist()
     assert trained == "".join(m[1]["content"] + "<|end|>" for m in chats)
     assert read_json(micro_data / "packed/sft/manifest.json")["documents"] == len(chats)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 100])
+def test_streamed_packing_writes_exactly_the_in_memory_shards(tmp_path, batch):
+    docs = docs_of([3, 5, 40, 1, 17, 9, 9, 2, 30, 8, 6, 6])
+    whole = write_split(tmp_path / "whole", pack_stream(docs, 9, EOS_ID), 4, {"documents": len(docs)})
+    packer = CorpusPacker(ShardWriter(tmp_path / f"streamed{batch}", 9, 4), EOS_ID)
+    for start in range(0, len(docs), batch):
+        packer.add(docs[start : start + batch])
+        assert len(packer.tail) < 9 and packer.writer.pending_rows < 4  # only the unfinished row and shard wait
+    assert packer.finish({}) == whole  # rows, tokens, entropy and every shard's sha256

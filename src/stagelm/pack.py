@@ -15,6 +15,7 @@ unless it is longer than a row. Either way the non-pad tokens, read row by row, 
 exactly the documents' tokens plus their EOSes, in order.
 """
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -82,44 +83,120 @@ def pack_next_fit(docs: list[np.ndarray], masks: list[np.ndarray], row_len: int,
     return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions, "loss_mask": loss_mask}
 
 
-def write_split(out_dir: Path, columns: dict[str, np.ndarray], rows_per_shard: int, meta: dict) -> dict:
-    """Write `columns` as Arrow IPC shards plus manifest.json in `out_dir`; return the manifest."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    n_rows, row_len = columns["tokens"].shape
-    shards = []
-    for index, start in enumerate(range(0, n_rows, rows_per_shard)):
-        part = {k: v[start : start + rows_per_shard] for k, v in columns.items()}
-        table = pa.table({k: pa.FixedSizeListArray.from_arrays(v.reshape(-1), row_len) for k, v in part.items()})
-        path = out_dir / f"shard-{index:05d}.arrow"
+class ShardWriter:
+    """Arrow IPC shards of `rows_per_shard` rows in `out_dir`, each written (and renamed into
+    place) as soon as it fills; `finish` writes the last one and then manifest.json, so a
+    killed run never leaves a manifest over partial shards. Memory: one shard of rows."""
+
+    def __init__(self, out_dir: Path, row_len: int, rows_per_shard: int):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir, self.row_len, self.rows_per_shard = out_dir, row_len, rows_per_shard
+        self.pending: list[dict[str, np.ndarray]] = []
+        self.pending_rows = self.rows = self.real = 0
+        self.counts = np.zeros(0, np.int64)  # token frequencies of the non-pad tokens
+        self.shards: list[dict] = []
+        self.columns: list[str] = []
+
+    def add(self, columns: dict[str, np.ndarray]) -> None:
+        """Append rows (each column (rows, row_len)); full shards are written at once."""
+        self.pending.append(columns)
+        self.pending_rows += len(columns["tokens"])
+        while self.pending_rows >= self.rows_per_shard:
+            self.write(self.rows_per_shard)
+
+    def write(self, n: int) -> None:
+        joined = {k: np.concatenate([p[k] for p in self.pending]) for k in self.pending[0]}
+        part = {k: v[:n] for k, v in joined.items()}
+        rest = {k: v[n:] for k, v in joined.items()}
+        self.pending, self.pending_rows = ([rest] if len(rest["tokens"]) else []), self.pending_rows - n
+        table = pa.table({k: pa.FixedSizeListArray.from_arrays(v.reshape(-1), self.row_len) for k, v in part.items()})
+        path = self.out_dir / f"shard-{len(self.shards):05d}.arrow"
         tmp = path.with_suffix(".arrow.tmp")
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
         tmp.replace(path)
-        shards.append({"file": path.name, "rows": len(part["tokens"]), "sha256": sha256_file(path)})
-    real_tokens = columns["tokens"][columns["segment_ids"] > 0]
-    real = int(real_tokens.size)
-    counts = np.bincount(real_tokens)
-    freqs = counts[counts > 0] / real
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        **meta,
-        "row_len": row_len,
-        "rows": n_rows,
-        "tokens": real,
-        "packing_efficiency": real / (n_rows * row_len),
-        # Entropy of the token frequencies (nats): the loss of a model that ignores context.
-        "unigram_entropy_nats": float(-(freqs * np.log(freqs)).sum()),
-        "columns": sorted(columns),
-        "shards": shards,
-    }
-    write_json(out_dir / "manifest.json", manifest)
-    return manifest
+        self.shards.append({"file": path.name, "rows": n, "sha256": sha256_file(path)})
+        real_tokens = part["tokens"][part["segment_ids"] > 0]
+        counts = np.bincount(real_tokens, minlength=len(self.counts))
+        counts[: len(self.counts)] += self.counts
+        self.counts, self.real, self.rows, self.columns = (
+            counts,
+            self.real + real_tokens.size,
+            self.rows + n,
+            sorted(part),
+        )
+
+    def finish(self, meta: dict) -> dict:
+        """Write the last shard, then manifest.json; return the manifest."""
+        if self.pending_rows:
+            self.write(self.pending_rows)
+        freqs = self.counts[self.counts > 0] / self.real
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            **meta,
+            "row_len": self.row_len,
+            "rows": self.rows,
+            "tokens": int(self.real),
+            "packing_efficiency": self.real / (self.rows * self.row_len),
+            # Entropy of the token frequencies (nats): the loss of a model that ignores context.
+            "unigram_entropy_nats": float(-(freqs * np.log(freqs)).sum()),
+            "columns": self.columns,
+            "shards": self.shards,
+        }
+        write_json(self.out_dir / "manifest.json", manifest)
+        return manifest
 
 
-def pack_corpus(tok: Tokenizer, texts: list[str], row_len: int) -> tuple[dict[str, np.ndarray], int]:
-    """(packed columns, document count) of a corpus split, concatenate-and-chunk."""
-    docs = encode_batch(tok, texts)
-    return pack_stream(docs, row_len, special_id(tok, EOS)), len(docs)
+def write_split(out_dir: Path, columns: dict[str, np.ndarray], rows_per_shard: int, meta: dict) -> dict:
+    """Write `columns` (all rows at once) as shards plus manifest.json in `out_dir`; return the manifest."""
+    writer = ShardWriter(out_dir, columns["tokens"].shape[1], rows_per_shard)
+    writer.add(columns)
+    return writer.finish(meta)
+
+
+class CorpusPacker:
+    """Concatenate-and-chunk (`pack_stream`) over batches of documents: each full row goes to
+    `writer` as it forms and only the unfinished last row waits, so memory does not grow
+    with the corpus. The rows are exactly `pack_stream`'s over all the documents at once."""
+
+    def __init__(self, writer: ShardWriter, eos: int):
+        self.writer, self.eos, self.row_len = writer, eos, writer.row_len
+        self.tail = np.zeros(0, np.int32)  # tokens of the unfinished row
+        self.tail_docs = np.zeros(0, np.int64)  # their document numbers
+        self.documents = 0
+
+    def add(self, docs: list[np.ndarray]) -> None:
+        if not docs:
+            return
+        lengths = [len(d) + 1 for d in docs]
+        flat = np.concatenate([self.tail, *(np.append(d, self.eos).astype(np.int32) for d in docs)])
+        numbers = np.repeat(np.arange(self.documents, self.documents + len(docs)), lengths)
+        doc_of = np.concatenate([self.tail_docs, numbers])
+        self.documents += len(docs)
+        cut = len(flat) // self.row_len * self.row_len
+        if cut:
+            self.writer.add(self.rows(flat[:cut], doc_of[:cut]))
+        self.tail, self.tail_docs = flat[cut:], doc_of[cut:]
+
+    def rows(self, tokens: np.ndarray, doc_of: np.ndarray) -> dict[str, np.ndarray]:
+        segment_ids, positions = segment_layout(doc_of.reshape(-1, self.row_len))
+        return {"tokens": tokens.reshape(-1, self.row_len), "segment_ids": segment_ids, "positions": positions}
+
+    def finish(self, meta: dict) -> dict:
+        """Pad the last row, write it, then the manifest (with the document count)."""
+        if len(self.tail):
+            padded = self.row_len - len(self.tail)
+            tokens = np.concatenate([self.tail, np.zeros(padded, np.int32)])
+            self.writer.add(self.rows(tokens, np.concatenate([self.tail_docs, np.full(padded, -1)])))
+        return self.writer.finish({**meta, "documents": self.documents})
+
+
+def pack_corpus(tok: Tokenizer, batches: Iterable[list[str]], writer: ShardWriter, meta: dict) -> dict:
+    """Encode and pack a corpus split streamed as batches of texts; return its manifest."""
+    packer = CorpusPacker(writer, special_id(tok, EOS))
+    for texts in batches:
+        packer.add(encode_batch(tok, texts))
+    return packer.finish(meta)
 
 
 def pack_chats(tok: Tokenizer, conversations: list[list[dict]], row_len: int) -> tuple[dict[str, np.ndarray], int]:
