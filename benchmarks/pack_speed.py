@@ -43,7 +43,8 @@ def main() -> None:
 
         def pack() -> None:  # as the stage does: streamed from the Parquet file
             batches = iter_column(args.raw, "corpus_train", "text")
-            pack_corpus(tok, batches, ShardWriter(Path(tmp) / "train", args.seq_len + 1, 4096), {})
+            writer = ShardWriter(Path(tmp) / "train", args.seq_len + 1, 4096, tok.get_vocab_size())
+            pack_corpus(tok, batches, writer)
 
         pack_s = best_of(args.reps, pack)
     print(

@@ -1,10 +1,13 @@
 """download stage: read the corpus and task sets named by `data.*`, split, write Parquet.
 
 python stages/download.py --params params.yaml --out data/raw
+
+The corpus streams through in batches (memory does not grow with it); the manifest is
+written last, so a killed run leaves no folder that looks done.
 """
 
 from stagelm.config import load_section, section_dict
-from stagelm.download import collect, match_files, write_raw
+from stagelm.download import write_download
 from stagelm.errors import run_main
 from stagelm.stage import start
 
@@ -14,17 +17,13 @@ def main() -> None:
     args = stage.args
     cfg = load_section(stage.params, "data")
 
-    train, val, sets, meta = collect(cfg)
-    manifest = write_raw(args.out, train, val, sets, meta)
+    manifest, files = write_download(cfg, args.out)
 
-    inputs = {}
-    if cfg.source.startswith("files:"):
-        inputs = {str(p): p for p in match_files(cfg.source.removeprefix("files:"))}
-    stage.record(args.out / "provenance.json", {"data": section_dict(cfg)}, inputs)
-    docs = manifest["documents"]
+    stage.record(args.out / "provenance.json", {"data": section_dict(cfg)}, {str(p): p for p in files})
+    docs, chars = manifest["documents"], manifest["corpus_characters"]
     print(
-        f"download: {docs['train']} train + {docs['val']} val documents from {manifest['source']}; "
-        f"tasks {manifest['families']}"
+        f"download: {docs['train']:,} train + {docs['val']:,} val documents "
+        f"({chars['train'] + chars['val']:,} characters) from {manifest['source']}; tasks {manifest['families']}"
     )
 
 

@@ -1,6 +1,8 @@
 """Corpus sources (synthetic, local files, local datasets, the hub) and their errors."""
 
+import bz2
 import dataclasses
+import gzip
 import json
 import socket
 import sys
@@ -20,49 +22,111 @@ def data_cfg(**overrides):
     return dataclasses.replace(load_section(micro_params(), "data"), **overrides)
 
 
+def collect(cfg, out):
+    """(train docs, val docs, manifest) of a download into `out`, read back from its Parquet files."""
+    manifest, _ = download.write_download(cfg, out)
+    train, val = (pq.read_table(out / f"corpus_{s}.parquet").column("text").to_pylist() for s in ("train", "val"))
+    return train, val, manifest
+
+
 def write_docs(tmp_path, kind, texts, field="text"):
+    """`texts` as one corpus file of `kind` (a suffix such as "jsonl.gz"); returns its path."""
+    base, _, compression = kind.partition(".")
     path = tmp_path / f"corpus.{kind}"
-    if kind == "txt":
-        path.write_text("\n\n".join(texts) + "\n")
-    elif kind == "jsonl":
-        path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
-    elif kind == "parquet":
+    if base == "txt":
+        data = ("\n\n".join(texts) + "\n").encode()
+    elif base == "jsonl":
+        data = "".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)).encode()
+    elif base == "json":
+        data = json.dumps([{field: t, "id": i} for i, t in enumerate(texts)], indent=1).encode()
+    elif base == "csv":
+        data = (f"{field},id\n" + "".join(f'"{t}",{i}\n' for i, t in enumerate(texts))).encode()
+    else:
         pq.write_table(pa.table({field: texts}), path)
-    elif kind == "csv":
-        path.write_text(f"{field},id\n" + "".join(f'"{t}",{i}\n' for i, t in enumerate(texts)))
+        return path
+    if compression == "gz":
+        data = gzip.compress(data)
+    elif compression == "bz2":
+        data = bz2.compress(data)
+    elif compression == "zst":
+        sink = pa.BufferOutputStream()
+        with pa.CompressedOutputStream(sink, "zstd") as out:
+            out.write(data)
+        data = sink.getvalue().to_pybytes()
+    path.write_bytes(data)
     return path
 
 
-TEXTS = [f"Document number {i} says hello to the world." for i in range(30)]
+TEXTS = [f"Document number {i} says hello to the world." for i in range(200)]
+KINDS = ["txt", "txt.bz2", "jsonl", "jsonl.gz", "jsonl.zst", "json", "csv", "csv.gz", "parquet"]
 
 
-@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet", "csv"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_local_files(tmp_path, kind):
     path = write_docs(tmp_path, kind, TEXTS)
-    train, val, sets, meta = download.collect(data_cfg(source=f"files:{path}"))
+    train, val, meta = collect(data_cfg(source=f"files:{path}"), tmp_path / "raw")
     assert sorted(train + val) == sorted(TEXTS) and not set(train) & set(val)
+    assert 5 <= len(val) <= 40  # val_fraction 0.1 of 200, by hash
     assert meta["source"] == f"files:{path}" and meta["task_sets"]["sft"].startswith("synthetic")
+    assert meta["corpus_characters"]["train"] == sum(map(len, train))
+
+
+def test_text_paragraphs_across_read_chunks(tmp_path, monkeypatch):
+    """Blank lines, CRLF line ends and multi-byte characters that straddle read chunks."""
+    texts = [f"Ünïcode paragraph {i}\r\nwith a second line ✓" for i in range(50)]
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(("\r\n\r\n".join(texts) + "\r\n\r\n\r\n").encode())
+    whole = collect(data_cfg(source=f"files:{path}"), tmp_path / "a")
+    monkeypatch.setattr(download, "READ_CHUNK", 3)
+    assert collect(data_cfg(source=f"files:{path}"), tmp_path / "b") == whole
+    assert sorted(whole[0] + whole[1]) == sorted(t.replace("\r\n", "\n") for t in texts)
 
 
 def test_glob_directory_and_document_cap(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
     for i in range(3):
-        (tmp_path / f"part{i}.jsonl").write_text("".join(json.dumps({"body": f"{i}-{j}"}) + "\n" for j in range(5)))
-    train, val, _, _ = download.collect(data_cfg(source=f"files:{tmp_path}/*.jsonl", text_field="body"))
-    assert len(train + val) == 15
-    train, val, _, _ = download.collect(data_cfg(source=f"files:{tmp_path}", text_field="body", max_documents=7))
-    assert len(train + val) == 7
+        (corpus / f"part{i}.jsonl").write_text("".join(json.dumps({"body": f"{i}-{j}"}) + "\n" for j in range(50)))
+    train, val, _ = collect(data_cfg(source=f"files:{corpus}/*.jsonl", text_field="body"), tmp_path / "a")
+    assert len(train + val) == 150
+    collect(data_cfg(source=f"files:{corpus}/*.jsonl", text_field="body"), tmp_path / "again")
+    for name in ("corpus_train.parquet", "corpus_val.parquet", "manifest.json"):  # byte-identical reruns
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
+    train, val, _ = collect(data_cfg(source=f"files:{corpus}", text_field="body", max_documents=70), tmp_path / "b")
+    assert sorted(train + val) == sorted([f"0-{j}" for j in range(50)] + [f"1-{j}" for j in range(20)])
 
 
 def test_local_hf_dataset_directory(tmp_path):
     ds_dir = tmp_path / "my_dataset"
     (ds_dir / "data").mkdir(parents=True)
     pq.write_table(pa.table({"content": TEXTS}), ds_dir / "data/train-00000-of-00001.parquet")
-    train, val, _, meta = download.collect(data_cfg(source=f"hf:{ds_dir}", text_field="content", hf_split="train"))
+    cfg = data_cfg(source=f"hf:{ds_dir}", text_field="content", hf_split="train")
+    train, val, meta = collect(cfg, tmp_path / "raw")
     assert sorted(train + val) == sorted(TEXTS)
     assert meta["source"].startswith(f"hf:{ds_dir}")
+    # The same documents from files split the same way: the split is by content.
+    assert collect(data_cfg(source=f"files:{ds_dir}/data", text_field="content"), tmp_path / "files")[:2] == (
+        train,
+        val,
+    )
 
 
-def test_split_is_deterministic_and_by_document():
+def test_val_split_is_by_content_and_stable_when_files_are_added(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "b.txt").write_text("\n\n".join(TEXTS[:100]))
+    train, val, _ = collect(data_cfg(source=f"files:{corpus}"), tmp_path / "one")
+    # A file added before the old one in reading order, and the old file's documents reversed.
+    (corpus / "a.txt").write_text("\n\n".join(TEXTS[100:]))
+    (corpus / "b.txt").write_text("\n\n".join(reversed(TEXTS[:100])))
+    train2, val2, _ = collect(data_cfg(source=f"files:{corpus}"), tmp_path / "two")
+    assert set(train) <= set(train2) and set(val) <= set(val2)
+    assert train2[: len(TEXTS) - 100 - (len(val2) - len(val))] == [t for t in TEXTS[100:] if t in set(train2)]
+    other = collect(data_cfg(source=f"files:{corpus}", seed=1), tmp_path / "seed1")
+    assert set(other[1]) != set(val2)
+
+
+def test_synthetic_split_is_deterministic_and_by_document():
     docs = [f"d{i}" for i in range(100)]
     a = download.split_documents(docs, 0.1, 5)
     assert a == download.split_documents(docs, 0.1, 5) and len(a[1]) == 10
@@ -70,21 +134,17 @@ def test_split_is_deterministic_and_by_document():
 
 
 def test_task_files_replace_synthetic_sets(tmp_path):
-    sft = tmp_path / "sft.jsonl"
-    sft.write_text(
-        json.dumps(
-            {
-                "family": "arithmetic",
-                "messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2."}],
-            }
-        )
-        + "\n"
-    )
-    _, _, sets, meta = download.collect(data_cfg(sft_files=str(sft)))
-    assert len(sets["sft"]) == 1 and meta["task_sets"]["sft"] == f"files:{sft}"
+    sft = tmp_path / "sft.jsonl.gz"
+    message = {
+        "family": "arithmetic",
+        "messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2."}],
+    }
+    sft.write_bytes(gzip.compress((json.dumps(message) + "\n").encode()))
+    _, _, meta = collect(data_cfg(sft_files=str(sft)), tmp_path / "raw")
+    assert meta["files"]["sft"]["rows"] == 1 and meta["task_sets"]["sft"] == f"files:{sft}"
     (tmp_path / "bad.jsonl").write_text(json.dumps({"family": "poetry", "prompt": "x", "chat_prompt": "y", "spec": {}}))
     with pytest.raises(StagelmError, match=r"bad\.jsonl:1: unknown family 'poetry'"):
-        download.collect(data_cfg(eval_files=str(tmp_path / "bad.jsonl")))
+        collect(data_cfg(eval_files=str(tmp_path / "bad.jsonl")), tmp_path / "raw2")
 
 
 def test_bad_sources_fail_with_one_named_line(tmp_path):
@@ -94,25 +154,59 @@ def test_bad_sources_fail_with_one_named_line(tmp_path):
     cases.append((data_cfg(source=f"files:{empty}"), r"^data\.source: .* holds no non-empty documents"))
     latin = tmp_path / "latin.txt"
     latin.write_bytes("caf\xe9 au lait".encode("latin-1"))
-    cases.append((data_cfg(source=f"files:{latin}"), rf"^{latin}: not UTF-8 text"))
+    cases.append((data_cfg(source=f"files:{latin}"), rf"^{latin}: not UTF-8 text \(byte 3\)"))
     jsonl = write_docs(tmp_path, "jsonl", TEXTS, field="body")
-    cases.append((data_cfg(source=f"files:{jsonl}"), r"^data\.text_field: .* has no column 'text'"))
+    cases.append((data_cfg(source=f"files:{jsonl}"), r"^data\.text_field: .*corpus\.jsonl:1 has no column 'text'"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"text": \n')
+    cases.append((data_cfg(source=f"files:{broken}"), rf"^{broken}:2: not a JSON object"))
+    one = tmp_path / "one.txt"
+    one.write_text("a single document")
+    cases.append((data_cfg(source=f"files:{one}"), r"^data\.val_fraction: 0\.1 of 1 document\(s\) left the"))
     cases.append((data_cfg(source=f"files:{tmp_path}/nothing*.txt"), r"^data\.source: .* matches no"))
     cases.append((data_cfg(source="s3://bucket/corpus"), r"^data\.source: unknown source"))
     cases.append((data_cfg(source="hf:someone/some-dataset", hf_revision=None), r"^data\.hf_revision: pin"))
-    for cfg, pattern in cases:
+    for i, (cfg, pattern) in enumerate(cases):
         with pytest.raises(StagelmError, match=pattern):
-            download.collect(cfg)
+            collect(cfg, tmp_path / f"raw{i}")
+        assert not list((tmp_path / f"raw{i}").glob("*")), "a failed download leaves files behind"
 
 
-def test_unreachable_hub_fails_fast(monkeypatch):
+def test_corrupt_or_vanishing_file_keeps_the_old_download(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    first = write_docs(corpus, "jsonl.gz", TEXTS)
+    second = corpus / "more.jsonl.gz"
+    second.write_bytes(first.read_bytes())
+    out = tmp_path / "raw"
+    collect(data_cfg(source=f"files:{corpus}"), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    second.write_bytes(first.read_bytes()[:-40])  # a truncated download
+    with pytest.raises(StagelmError, match=rf"^{second}: cannot be read as json: .*; fix or remove the file$"):
+        collect(data_cfg(source=f"files:{corpus}"), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    real = download.read_json_rows
+
+    def read_then_lose_the_next(path, field):  # the second file disappears while the first is read
+        yield from real(path, field)
+        second.unlink(missing_ok=True)
+
+    monkeypatch.setattr(download, "read_json_rows", read_then_lose_the_next)
+    with pytest.raises(StagelmError, match=rf"^{second}: vanished while the corpus was being read"):
+        collect(data_cfg(source=f"files:{corpus}"), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_unreachable_hub_fails_fast(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise OSError("network unreachable")
 
     monkeypatch.setattr(socket, "create_connection", refuse)
     t0 = time.perf_counter()
     with pytest.raises(StagelmError, match=r"^data\.source: the Hugging Face hub is unreachable"):
-        download.collect(data_cfg(source="hf:someone/some-dataset", hf_revision="main"))
+        collect(data_cfg(source="hf:someone/some-dataset", hf_revision="main"), tmp_path / "raw")
     assert time.perf_counter() - t0 < 5
 
 
@@ -122,14 +216,20 @@ def test_hub_probe_really_times_out_here():
     assert time.perf_counter() - t0 < 4
 
 
-def test_stage_exits_nonzero_with_one_line(tmp_path):
-    params = micro_params(data={"source": "files:does/not/exist/*.txt"})
-    write_params(tmp_path / "params.yaml", params)
+@pytest.mark.parametrize("source", ["missing", "corrupt"])
+def test_stage_exits_nonzero_with_one_line(tmp_path, source):
+    corrupt = tmp_path / "corpus.jsonl.gz"
+    corrupt.write_bytes(gzip.compress(b'{"text": "a document"}\n' * 5000)[:-100])
+    pattern = {"missing": "does/not/exist/*.txt", "corrupt": str(corrupt)}[source]
+    write_params(tmp_path / "params.yaml", micro_params(data={"source": f"files:{pattern}"}))
     result = run(
         [sys.executable, str(ROOT / "stages/download.py"), "--params", "params.yaml", "--out", "raw"],
         tmp_path,
         check=False,
     )
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: data.source:")
-    assert not (tmp_path / "raw").exists()
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith(
+        "error: data.source:" if source == "missing" else f"error: {corrupt}: cannot be read"
+    )
+    assert not (tmp_path / "raw").exists()  # no manifest, no partial files, not even the folder

@@ -5,8 +5,17 @@ import pytest
 
 from stagelm.files import read_json
 from stagelm.loader import PackedRows
-from stagelm.pack import CorpusPacker, ShardWriter, pack_next_fit, pack_stream, write_split
-from stagelm.rawdata import read_raw
+from stagelm.pack import (
+    CorpusPacker,
+    ShardWriter,
+    pack_chats,
+    pack_corpus,
+    pack_next_fit,
+    pack_stream,
+    write_manifest,
+    write_split,
+)
+from stagelm.rawdata import iter_column, read_raw
 from stagelm.tokenizer import EOS, encode_batch, load_tokenizer, special_id
 
 EOS_ID = 2  # <|eos|> in a tokenizer the tokenizer stage trains
@@ -63,6 +72,7 @@ def test_packed_shards_hold_exactly_the_documents(micro_data):
         assert len(manifest["shards"]) > 1 and manifest["vocab_size"] == tok.get_vocab_size()
         assert 0.99 < manifest["packing_efficiency"] <= 1
         assert 0 < manifest["unigram_entropy_nats"] < np.log(tok.get_vocab_size())
+        assert manifest["token_dtype"] == "uint16"
 
 
 def test_sft_rows_train_only_on_assistant_turns(micro_data):
@@ -74,11 +84,46 @@ def test_sft_rows_train_only_on_assistant_turns(micro_data):
     assert read_json(micro_data / "packed/sft/manifest.json")["documents"] == len(chats)
 
 
+def test_shards_cost_at_most_the_promised_bytes_per_token(micro_data, tmp_path):
+    """Issue 16's budget: ≤ 2.5 bytes a token in corpus shards, ≤ 3.5 in SFT shards (the
+    micro pipeline's 32-row shards are mostly Arrow headers, so this packs 1,024-row ones)."""
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    vocab = tok.get_vocab_size()
+    corpus = ShardWriter(tmp_path / "train", 257, 1024, vocab)
+    part = pack_corpus(tok, iter_column(micro_data / "raw", "corpus_train", "text"), corpus)
+    train = write_manifest(tmp_path / "train", 257, vocab, [part], {})
+    chats = read_raw(micro_data / "raw", "sft").column("messages").to_pylist()
+    sft = write_split(tmp_path / "sft", pack_chats(tok, chats, 257)[0], 1024, vocab, {})
+    for name, manifest, budget in (("train", train, 2.5), ("sft", sft, 3.5)):
+        size = sum((tmp_path / name / s["file"]).stat().st_size for s in manifest["shards"])
+        assert size / manifest["tokens"] <= budget, name
+
+
+@pytest.mark.parametrize(("vocab_size", "row_len"), [(300, 9), (70_000, 9), (300, 70_000)])
+def test_shards_read_back_exactly_the_packed_rows(tmp_path, vocab_size, row_len):
+    """The compact format (narrow tokens, derived segments and positions, mask bits) loses nothing."""
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(3, vocab_size, n).astype(np.int32) for n in [3, 5, 40, 1, 17, 9, 9, 2, 30, 8, 6, 6, 9000]]
+    masks = [rng.integers(0, 2, len(d)) for d in docs]
+    for name, columns in [
+        ("stream", pack_stream(docs, row_len, EOS_ID)),
+        ("next_fit", pack_next_fit(docs, masks, row_len, EOS_ID)),
+    ]:
+        write_split(tmp_path / name, columns, 4, vocab_size, {})
+        rows = PackedRows(tmp_path / name)
+        got = rows.all_rows()
+        assert got.keys() == columns.keys()
+        for key in columns:
+            assert got[key].dtype == np.int32
+            np.testing.assert_array_equal(got[key], columns[key], err_msg=f"{name} {key}")
+        assert rows.manifest["token_dtype"] == ("uint16" if vocab_size <= 65536 else "uint32")
+
+
 @pytest.mark.parametrize("batch", [1, 2, 7, 100])
 def test_streamed_packing_writes_exactly_the_in_memory_shards(tmp_path, batch):
     docs = docs_of([3, 5, 40, 1, 17, 9, 9, 2, 30, 8, 6, 6])
-    whole = write_split(tmp_path / "whole", pack_stream(docs, 9, EOS_ID), 4, {"documents": len(docs)})
-    packer = CorpusPacker(ShardWriter(tmp_path / f"streamed{batch}", 9, 4), EOS_ID)
+    whole = write_split(tmp_path / "whole", pack_stream(docs, 9, EOS_ID), 4, 300, {"documents": len(docs)})
+    packer = CorpusPacker(ShardWriter(tmp_path / f"streamed{batch}", 9, 4, 300), EOS_ID)
     for start in range(0, len(docs), batch):
         packer.add(docs[start : start + batch])
         assert len(packer.tail) < 9 and packer.writer.pending_rows < 4  # only the unfinished row and shard wait

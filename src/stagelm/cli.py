@@ -4,7 +4,7 @@ stagelm check [--params params.yaml] [--pipeline dvc.yaml]
     validate every params section and every data manifest that exists, in seconds,
     before any compute is spent.
 stagelm launch <stage command>
-    run a training stage's command behind params.yaml's `launch.command` (dvc.yaml's
+    run a stage's command behind params.yaml's `launch.command` (dvc.yaml's pack and
     training stages start this way). Empty, the command runs as it is; a cluster
     wrapper such as `srun --nodes=2 --ntasks-per-node=4` starts it on every task and
     blocks until they all end, so `dvc repro` on the head node waits for the job.
@@ -153,7 +153,7 @@ def main() -> None:
     p.add_argument("--params", default="params.yaml")
     p.add_argument("--pipeline", default="dvc.yaml")
     p.set_defaults(func=check)
-    la = sub.add_parser("launch", help="run a training stage command behind params.yaml's launch.command")
+    la = sub.add_parser("launch", help="run a pack or training stage command behind params.yaml's launch.command")
     la.add_argument("stage_command", nargs=argparse.REMAINDER)
     la.set_defaults(func=launch)
     g = sub.add_parser("generate", help="stream a completion from a model directory")

@@ -13,12 +13,11 @@ through gloo, JAX's CPU collectives.
 
 The processes are started by `stagelm launch` (see stagelm.cli), which puts params.yaml's
 `launch.command` (e.g. `srun --nodes=2 --ntasks-per-node=4`) before a training
-stage's command.
+stage's command, or the pack stage's: a data stage calls `join()`, which imports JAX
+only when there are several processes, and meets the others with `barrier(name)`.
 """
 
 import os
-
-import jax
 
 from stagelm.errors import StagelmError
 
@@ -40,8 +39,35 @@ def _slurm_step_of_several_tasks() -> bool:
     return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1
 
 
+def join() -> tuple[int, int]:
+    """(this process's index, the process count), after joining the runtime when there are several."""
+    if not several_processes():
+        return 0, 1
+    import jax
+
+    initialize()
+    return jax.process_index(), jax.process_count()
+
+
+def several_processes() -> bool:
+    """Whether the environment describes a run of more than one process."""
+    if os.environ.get("JAX_NUM_PROCESSES"):
+        return _int_variable("JAX_NUM_PROCESSES") > 1
+    return _slurm_step_of_several_tasks()
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of the run reaches the barrier `name` (a no-op for one process)."""
+    if several_processes():
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def initialize() -> None:
     """Join the multi-process runtime when the environment describes one; a no-op otherwise."""
+    import jax
+
     given = [name for name in VARIABLES if os.environ.get(name)]
     if given:
         missing = [name for name in VARIABLES if name not in given]
@@ -63,4 +89,6 @@ def initialize() -> None:
 
 def _use_cpu_collectives() -> None:
     """CPU devices of different processes exchange data through gloo (other backends ignore this)."""
+    import jax
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

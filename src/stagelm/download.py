@@ -3,24 +3,39 @@
 `data.source` picks where the corpus comes from:
 
 - `synthetic`: generated from `data.seed` (see `stagelm.synthetic`);
-- `files:<path, dir or glob>`: txt (one document per blank-line-separated paragraph),
-  jsonl/json, parquet or csv through `datasets`, text in column `data.text_field`;
-- `hf:<dataset id>` through `datasets` (streamed, pinned by `data.hf_revision`, capped
-  by `data.max_documents`), or `hf:<local dataset dir>` for a dataset on disk.
+- `files:<path, dir or glob>`: `.txt` (one document per blank-line-separated paragraph),
+  `.jsonl` / `.json` (one object per line, text in `data.text_field`; a `.json` file
+  holding one array is read whole), `.csv` and `.parquet` (column `data.text_field`),
+  each optionally compressed (`.gz`, `.zst`, `.bz2`); files are read in sorted path order;
+- `hf:<dataset id>` through `datasets` (streamed, pinned by `data.hf_revision`), or
+  `hf:<local dataset dir>` for a dataset on disk (streamed too).
+
+Documents stream through in batches: a file source of any size costs one batch and
+one Parquet row group of memory. Blank documents are dropped and `data.max_documents`
+caps the rest. The validation split of a file or hub corpus is chosen per document by
+a hash of `data.seed` and its text, so it does not depend on the reading order and
+adding files never moves an old document between splits (the same text always lands
+in the same split). The synthetic corpus keeps its seeded choice of documents.
 
 Task sets come from `data.sft_files`, `data.rl_files` and `data.eval_files` when set,
 and from the synthetic task families otherwise (the manifest says which).
 """
 
+import codecs
 import glob
+import hashlib
+import io
+import itertools
 import json
 import math
 import random
 import socket
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from stagelm import synthetic
@@ -29,117 +44,310 @@ from stagelm.errors import StagelmError
 from stagelm.files import sha256_file, write_json
 from stagelm.tasks import FAMILIES, Task
 
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+COMPRESSIONS = (".gz", ".zst", ".bz2")  # pyarrow decompresses these while reading
 HUB_HOST = ("huggingface.co", 443)
+BATCH_DOCUMENTS = 4096  # documents per batch between reader and writer
+ROW_GROUP_CHARS = 16 << 20  # characters per Parquet row group of a written corpus split (memory: two of them)
+READ_CHUNK = 4 << 20  # bytes read at a time from a text file
 
 
-def collect(cfg: DataConfig) -> tuple[list[str], list[str], dict[str, list], dict[str, Any]]:
-    """Everything the download stage writes: (train docs, val docs, task sets, manifest facts)."""
+# --- the stage ------------------------------------------------------------------------
+
+
+def write_download(cfg: DataConfig, out_dir: Path) -> tuple[dict[str, Any], list[Path]]:
+    """Stream the corpus of `data.source` into `out_dir` (Parquet per split and task set,
+    manifest.json last); return the manifest and the input files read (none for synthetic/hf).
+
+    Everything is written to temporary files first: a bad input leaves the folder as it
+    was, and a run killed while renaming leaves no manifest, so nothing looks done."""
     is_synthetic = cfg.source == "synthetic"
     generated = synthetic.generate(
         cfg.seed, cfg.num_documents if is_synthetic else 0, cfg.num_sft, cfg.num_rl, cfg.num_eval
     )
-    docs, desc = read_source(cfg, generated["corpus"])
-    train, val = split_documents(docs, cfg.val_fraction, cfg.seed)
-    sets, origin = task_sets(cfg, generated)
-    meta = {
+    sets, origin = task_sets(cfg, generated)  # small, and read first: their errors come before a long read
+    if is_synthetic:
+        desc, inputs = f"synthetic(seed={cfg.seed}, num_documents={cfg.num_documents})", []
+    else:
+        batches, desc, inputs = source_batches(cfg)  # opens the source: a wrong name fails here
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    splits = {name: TextWriter(out_dir / f"{name}.parquet") for name in ("corpus_train", "corpus_val")}
+    try:
+        if is_synthetic:
+            train, val = split_documents(generated["corpus"], cfg.val_fraction, cfg.seed)
+            splits["corpus_train"].add(train)
+            splits["corpus_val"].add(val)
+        else:
+            key = cfg.seed.to_bytes(8, "little")
+            for docs in capped(batches, cfg.max_documents):
+                val = [in_val(d, key, cfg.val_fraction) for d in docs]
+                splits["corpus_train"].add([d for d, v in zip(docs, val, strict=True) if not v])
+                splits["corpus_val"].add([d for d, v in zip(docs, val, strict=True) if v])
+            check_split(cfg, splits["corpus_train"].rows, splits["corpus_val"].rows)
+        files = {name: writer.close() for name, writer in splits.items()}
+        for name in ("sft", "rl", "eval"):
+            files[name] = write_table(out_dir / f"{name}.parquet", pa.Table.from_pylist(sets[name]))
+        (out_dir / "manifest.json").unlink(missing_ok=True)  # from here until the new one: not done
+        for name, entry in files.items():
+            (out_dir / f"{name}.parquet.tmp").replace(out_dir / entry["file"])
+    finally:
+        for writer in splits.values():
+            writer.abort()
+        for tmp in out_dir.glob("*.parquet.tmp"):
+            tmp.unlink()
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+    manifest = {
+        "schema_version": 1,
         "source": desc,
         "data_seed": cfg.seed,
         "task_sets": origin,
-        "documents": {"train": len(train), "val": len(val)},
+        "documents": {"train": files["corpus_train"]["rows"], "val": files["corpus_val"]["rows"]},
+        "files": {name: {k: v for k, v in f.items() if k != "chars"} for name, f in files.items()},
+        "families": {name: count_families(sets[name]) for name in ("sft", "rl", "eval")},
+        "corpus_characters": {"train": files["corpus_train"]["chars"], "val": files["corpus_val"]["chars"]},
     }
-    return train, val, sets, meta
+    write_json(out_dir / "manifest.json", manifest)
+    return manifest, inputs
 
 
-def read_source(cfg: DataConfig, synthetic_corpus: list[str]) -> tuple[list[str], str]:
-    """(documents, a description of where they came from) for `data.source`."""
-    scheme, _, arg = cfg.source.partition(":")
-    if cfg.source == "synthetic":
-        docs = synthetic_corpus
-        desc = f"synthetic(seed={cfg.seed}, num_documents={cfg.num_documents})"
-    elif scheme == "files" and arg:
-        docs, desc = read_files(arg, cfg.text_field), f"files:{arg}"
-    elif scheme == "hf" and arg:
-        docs, desc = read_hf(arg, cfg), f"hf:{arg}@{cfg.hf_revision}/{cfg.hf_split}"
-    else:
+def check_split(cfg: DataConfig, train: int, val: int) -> None:
+    if train + val == 0:
+        raise StagelmError(f"data.source: {cfg.source!r} holds no non-empty documents; point it at text")
+    if not train or not val:
         raise StagelmError(
-            f"data.source: unknown source {cfg.source!r}; use 'synthetic', 'files:<path or glob>' or 'hf:<dataset id>'"
+            f"data.val_fraction: {cfg.val_fraction} of {train + val} document(s) left the "
+            f"{'val' if train else 'train'} split empty; change it or add documents"
         )
-    if cfg.max_documents is not None:
-        docs = docs[: cfg.max_documents]
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise StagelmError(f"data.source: {cfg.source!r} holds no non-empty documents; point it at a corpus with text")
-    return docs, desc
+
+
+def source_batches(cfg: DataConfig) -> tuple[Iterator[list[str]], str, list[Path]]:
+    """(batches of documents, a description of the source, its files) for a files: or hf: source."""
+    scheme, _, arg = cfg.source.partition(":")
+    if scheme == "files" and arg:
+        files = match_files(arg)
+        return (docs for path in files for docs in read_file(path, cfg.text_field)), f"files:{arg}", files
+    if scheme == "hf" and arg:
+        return hf_batches(arg, cfg), f"hf:{arg}@{cfg.hf_revision}/{cfg.hf_split}", []
+    raise StagelmError(
+        f"data.source: unknown source {cfg.source!r}; use 'synthetic', 'files:<path or glob>' or 'hf:<dataset id>'"
+    )
+
+
+def capped(batches: Iterable[list[str]], limit: int | None) -> Iterator[list[str]]:
+    """The non-blank documents of `batches`, the first `limit` of them when a limit is set."""
+    left = limit
+    for batch in batches:
+        docs = [d for d in batch if d and not d.isspace()]
+        if left is not None:
+            docs, left = docs[:left], left - min(left, len(docs))
+        if docs:
+            yield docs
+        if left == 0:
+            return
+
+
+def in_val(text: str, key: bytes, fraction: float) -> bool:
+    """Whether a document belongs to the val split: a keyed hash of its text, uniform in [0, 1)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, key=key).digest()
+    return int.from_bytes(digest, "little") < fraction * 2.0**64
+
+
+def split_documents(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """(train, val) of the synthetic corpus: a seeded choice of ceil(fraction·n) documents for val, order kept."""
+    if len(docs) < 2:
+        raise StagelmError(f"data.source: {len(docs)} document(s) cannot be split into train and val; add documents")
+    n_val = min(len(docs) - 1, max(1, math.ceil(val_fraction * len(docs))))
+    val_idx = set(random.Random(seed).sample(range(len(docs)), n_val))
+    train = [d for i, d in enumerate(docs) if i not in val_idx]
+    val = [d for i, d in enumerate(docs) if i in val_idx]
+    return train, val
+
+
+# --- reading files --------------------------------------------------------------------
+
+
+def file_kind(path: Path) -> str | None:
+    """'text', 'json', 'csv' or 'parquet' by the suffix under any compression suffix; None for others."""
+    name = path.name[: -len(path.suffix)] if path.suffix in COMPRESSIONS else path.name
+    kind = KINDS.get(Path(name).suffix)
+    return None if kind == "parquet" and name != path.name else kind
 
 
 def match_files(pattern: str) -> list[Path]:
+    """The corpus files a path, directory or glob names, sorted by path; all of one kind."""
     path = Path(pattern)
     found = sorted(path.rglob("*")) if path.is_dir() else sorted(Path(p) for p in glob.glob(pattern, recursive=True))
-    found = [p for p in found if p.is_file() and p.suffix in BUILDERS]
+    found = [p for p in found if p.is_file() and file_kind(p)]
     if not found:
         raise StagelmError(
-            f"data.source: 'files:{pattern}' matches no {'/'.join(BUILDERS)} file; check the path or glob"
+            f"data.source: 'files:{pattern}' matches no .txt, .jsonl, .json, .csv or .parquet file "
+            f"(optionally {', '.join(COMPRESSIONS)}); check the path or glob"
         )
-    kinds = {BUILDERS[p.suffix] for p in found}
+    kinds = {file_kind(p) for p in found}
     if len(kinds) > 1:
         raise StagelmError(f"data.source: 'files:{pattern}' mixes file kinds {sorted(kinds)}; use one kind")
-    blank = True
-    for p in found:
-        if p.suffix != ".parquet":
-            try:
-                blank = blank and not p.read_bytes().decode("utf-8").strip()
-            except UnicodeDecodeError as err:
-                raise StagelmError(f"{p}: not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
-        else:
-            blank = False
-    if blank:
-        raise StagelmError(
-            f"data.source: 'files:{pattern}' holds no non-empty documents; point it at a corpus with text"
-        )
     return found
 
 
-def read_files(pattern: str, text_field: str) -> list[str]:
-    import datasets
-
-    files = match_files(pattern)
-    builder = BUILDERS[files[0].suffix]
-    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+def read_file(path: Path, field: str) -> Iterator[list[str]]:
+    """Batches of the documents in one corpus file; any read failure is one line naming the file."""
+    kind = file_kind(path)
+    readers = {"text": read_text, "json": read_json_rows, "csv": read_csv, "parquet": read_parquet}
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **kwargs)
-    except Exception as err:  # datasets raises many types for a malformed file
-        raise StagelmError(f"data.source: could not read {pattern!r} as {builder}: {first_line(err)}") from None
-    if builder == "text":  # a paragraph keeps the file's final newline; drop it
-        return [t.rstrip("\n") for t in column_texts(ds, "text", f"files:{pattern}")]
-    return column_texts(ds, text_field, f"files:{pattern}")
+        yield from readers[kind](path, field)
+    except StagelmError:
+        raise
+    except FileNotFoundError:
+        raise StagelmError(f"{path}: vanished while the corpus was being read; restore it and rerun") from None
+    except (OSError, EOFError, ValueError, pa.ArrowException) as err:
+        raise StagelmError(f"{path}: cannot be read as {kind}: {first_line(err)}; fix or remove the file") from None
 
 
-def read_hf(name: str, cfg: DataConfig) -> list[str]:
+def open_stream(path: Path) -> io.BufferedReader:
+    """A buffered binary stream of the file, decompressed by its suffix (.gz, .zst, .bz2)."""
+    return io.BufferedReader(pa.input_stream(str(path), compression="detect"), buffer_size=1 << 20)
+
+
+def read_text(path: Path, field: str) -> Iterator[list[str]]:
+    """Paragraphs (text between blank lines) as documents; `\\r\\n` read as `\\n`."""
+    del field  # a text file has no fields
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    carry, pending, batch, offset = "", [], [], 0
+    with open_stream(path) as f:
+        while True:
+            chunk = f.read(READ_CHUNK)
+            try:
+                text = carry + utf8.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                raise StagelmError(
+                    f"{path}: not UTF-8 text (byte {offset + err.start}); re-encode it as UTF-8"
+                ) from None
+            offset += len(chunk)
+            body = text.rstrip("\r\n") if chunk else text  # a blank line may straddle two chunks
+            carry = text[len(body) :]
+            parts = body.replace("\r\n", "\n").split("\n\n")
+            pending.append(parts[0])
+            if len(parts) > 1:
+                batch.append("".join(pending))
+                batch.extend(parts[1:-1])
+                pending = [parts[-1]]
+            if len(batch) >= BATCH_DOCUMENTS or not chunk:
+                if not chunk:
+                    batch.append("".join(pending))
+                yield [d.strip("\n") for d in batch]
+                batch = []
+            if not chunk:
+                return
+
+
+def read_json_rows(path: Path, field: str) -> Iterator[list[str]]:
+    """Field `field` of each object: one per line, or the elements of a file holding one JSON array."""
+    with open_stream(path) as f:
+        if f.peek(4096).lstrip()[:1] == b"[":  # a JSON array: read whole (use .jsonl to stream)
+            try:
+                rows = json.loads(f.read())
+            except ValueError as err:
+                raise StagelmError(f"{path}: not valid JSON ({first_line(err)}); fix it or write it as jsonl") from None
+            lines: Iterable[tuple[int, Any]] = enumerate(rows, 1)
+        else:
+            lines = ((number, line) for number, line in enumerate(f, 1) if line.strip())
+        batch = []
+        for number, row in lines:
+            if isinstance(row, bytes):
+                try:
+                    row = json.loads(row)
+                except UnicodeDecodeError:
+                    raise StagelmError(f"{path}:{number}: not UTF-8 text; re-encode the file as UTF-8") from None
+                except ValueError:
+                    raise StagelmError(f"{path}:{number}: not a JSON object; fix the line or remove it") from None
+            batch.append(row_text(row, field, f"{path}:{number}"))
+            if len(batch) == BATCH_DOCUMENTS:
+                yield batch
+                batch = []
+        yield batch
+
+
+def row_text(row: Any, field: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise StagelmError(f"{where}: not a JSON object; each row must be an object with a {field!r} field")
+    if field not in row:
+        raise StagelmError(f"data.text_field: {where} has no column {field!r}; columns: {sorted(row)}")
+    text = row[field]
+    if text is not None and not isinstance(text, str):
+        raise StagelmError(f"data.text_field: column {field!r} of {where} is not text")
+    return text or ""
+
+
+def read_csv(path: Path, field: str) -> Iterator[list[str]]:
+    """Column `field` of a CSV file with a header row, block by block."""
+    options = pacsv.ReadOptions(block_size=16 << 20, use_threads=False)
+    with pa.input_stream(str(path), compression="detect") as f:
+        as_text = pacsv.ConvertOptions(column_types={field: pa.string()})
+        reader = pacsv.open_csv(f, read_options=options, convert_options=as_text)
+        names = reader.schema.names
+        if field not in names:
+            raise StagelmError(f"data.text_field: {path} has no column {field!r}; columns: {names}")
+        for batch in reader:
+            yield [t or "" for t in batch.column(names.index(field)).to_pylist()]
+
+
+def read_parquet(path: Path, field: str) -> Iterator[list[str]]:
+    """Column `field` of a Parquet file, a batch of rows at a time."""
+    with pq.ParquetFile(str(path), pre_buffer=False) as f:
+        schema = f.schema_arrow
+        if field not in schema.names:
+            raise StagelmError(f"data.text_field: {path} has no column {field!r}; columns: {schema.names}")
+        if not pa.types.is_string(schema.field(field).type) and not pa.types.is_large_string(schema.field(field).type):
+            raise StagelmError(f"data.text_field: column {field!r} of {path} is not text")
+        for batch in f.iter_batches(batch_size=BATCH_DOCUMENTS, columns=[field], use_threads=False):
+            yield [t or "" for t in batch.column(0).to_pylist()]
+
+
+# --- the hub and local datasets -------------------------------------------------------
+
+
+def hf_batches(name: str, cfg: DataConfig) -> Iterator[list[str]]:
+    """Column `data.text_field` of a streamed `datasets` dataset: a local dataset dir or a pinned hub id."""
     import datasets
 
+    where = f"hf:{name}"
     if Path(name).is_dir():  # a dataset on disk: no hub, no pin needed
-        try:
-            ds = datasets.load_dataset(name, split=cfg.hf_split)
-        except Exception as err:
-            raise StagelmError(f"data.source: could not load local dataset {name!r}: {first_line(err)}") from None
-        return column_texts(ds, cfg.text_field, f"hf:{name}")
-    if not cfg.hf_revision:
+        kwargs = {}
+    elif not cfg.hf_revision:
         raise StagelmError(f"data.hf_revision: pin hub dataset {name!r} to a commit, tag or branch")
-    if not hub_reachable():
+    elif not hub_reachable():
         raise StagelmError(
             f"data.source: the Hugging Face hub is unreachable, so 'hf:{name}' cannot be read; "
             "download it elsewhere and use 'hf:<local dir>' or 'files:<glob>'"
         )
+    else:
+        kwargs = {"revision": cfg.hf_revision}
     try:
-        stream = datasets.load_dataset(name, revision=cfg.hf_revision, split=cfg.hf_split, streaming=True)
-        rows = stream.take(cfg.max_documents) if cfg.max_documents else stream
-        rows = list(rows)
+        stream = datasets.load_dataset(name, split=cfg.hf_split, streaming=True, **kwargs)
+        batches = stream.iter(batch_size=BATCH_DOCUMENTS)
+        first = next(batches, None)
+    except Exception as err:  # datasets raises many types for a missing or malformed dataset
+        raise StagelmError(f"data.source: could not read {where!r}: {first_line(err)}") from None
+    if first is None:
+        return iter(())
+    if cfg.text_field not in first:
+        raise StagelmError(f"data.text_field: {where} has no column {cfg.text_field!r}; columns: {sorted(first)}")
+    return hf_texts(itertools.chain([first], batches), cfg.text_field, where)
+
+
+def hf_texts(batches: Iterator[dict[str, list]], field: str, where: str) -> Iterator[list[str]]:
+    try:
+        for batch in batches:
+            texts = batch[field]
+            if any(t is not None and not isinstance(t, str) for t in texts):
+                raise StagelmError(f"data.text_field: column {field!r} of {where} is not text")
+            yield [t or "" for t in texts]
+    except StagelmError:
+        raise
     except Exception as err:
-        raise StagelmError(f"data.source: could not stream 'hf:{name}': {first_line(err)}") from None
-    if rows and cfg.text_field not in rows[0]:
-        raise StagelmError(f"data.text_field: 'hf:{name}' has no column {cfg.text_field!r}; columns: {list(rows[0])}")
-    return [r[cfg.text_field] for r in rows]
+        raise StagelmError(f"data.source: reading {where!r} failed: {first_line(err)}") from None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -151,28 +359,8 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def column_texts(ds: Any, field: str, where: str) -> list[str]:
-    if field not in ds.column_names:
-        raise StagelmError(f"data.text_field: {where} has no column {field!r}; columns: {ds.column_names}")
-    texts = ds[field]
-    if any(t is not None and not isinstance(t, str) for t in texts):
-        raise StagelmError(f"data.text_field: column {field!r} of {where} is not text")
-    return [t for t in texts if t]
-
-
 def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def split_documents(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, val) by document: a seeded choice of ceil(fraction·n) documents for val, order kept."""
-    if len(docs) < 2:
-        raise StagelmError(f"data.source: {len(docs)} document(s) cannot be split into train and val; add documents")
-    n_val = min(len(docs) - 1, max(1, math.ceil(val_fraction * len(docs))))
-    val_idx = set(random.Random(seed).sample(range(len(docs)), n_val))
-    train = [d for i, d in enumerate(docs) if i not in val_idx]
-    val = [d for i, d in enumerate(docs) if i in val_idx]
-    return train, val
 
 
 # --- task sets ------------------------------------------------------------------------
@@ -215,13 +403,15 @@ def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
     rows = []
     key = f"data.{name}_files"
     for file in match_files(path):
-        for i, line in enumerate(file.read_text().splitlines(), 1):
+        for i, line in enumerate(open_stream(file), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:
                 raise StagelmError(f"{file}:{i}: not a JSON object; {key} must be jsonl") from None
+            if not isinstance(row, dict):
+                raise StagelmError(f"{file}:{i}: not a JSON object; {key} must be jsonl")
             missing = [f for f in TASK_FIELDS[name] if f not in row]
             if missing:
                 raise StagelmError(f"{file}:{i}: missing {missing} for {key}")
@@ -238,33 +428,45 @@ def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
 # --- output ---------------------------------------------------------------------------
 
 
-def write_raw(out_dir: Path, train: list[str], val: list[str], sets: dict[str, list], meta: dict) -> dict:
-    """Write the Parquet files and manifest.json into `out_dir`; return the manifest."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tables = {
-        "corpus_train": pa.table({"text": train}),
-        "corpus_val": pa.table({"text": val}),
-        "sft": pa.Table.from_pylist(sets["sft"]),
-        "rl": pa.Table.from_pylist(sets["rl"]),
-        "eval": pa.Table.from_pylist(sets["eval"]),
-    }
-    files = {}
-    for name, table in tables.items():
-        path = out_dir / f"{name}.parquet"
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(table, tmp)
-        tmp.replace(path)
-        files[name] = {"file": path.name, "rows": table.num_rows, "sha256": sha256_file(path)}
-    families = {name: count_families(sets[name]) for name in ("sft", "rl", "eval")}
-    manifest = {
-        "schema_version": 1,
-        **meta,
-        "files": files,
-        "families": families,
-        "corpus_characters": {"train": sum(map(len, train)), "val": sum(map(len, val))},
-    }
-    write_json(out_dir / "manifest.json", manifest)
-    return manifest
+class TextWriter:
+    """One Parquet file of a `text` column, written (to `<path>.tmp`) in row groups of about
+    ROW_GROUP_CHARS characters as documents arrive."""
+
+    def __init__(self, path: Path):
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        self.writer = pq.ParquetWriter(self.tmp, pa.schema([("text", pa.string())]))
+        self.pending: list[str] = []
+        self.pending_chars = self.rows = self.chars = 0
+
+    def add(self, texts: list[str]) -> None:
+        self.pending.extend(texts)
+        added = sum(map(len, texts))
+        self.pending_chars += added
+        self.chars += added
+        self.rows += len(texts)
+        if self.pending_chars >= ROW_GROUP_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.writer.write_table(pa.table({"text": self.pending}))
+        self.pending, self.pending_chars = [], 0
+
+    def close(self) -> dict[str, Any]:
+        """Finish the temporary file; its entry names the final file."""
+        self.flush()
+        self.writer.close()
+        return {"file": self.path.name, "rows": self.rows, "sha256": sha256_file(self.tmp), "chars": self.chars}
+
+    def abort(self) -> None:
+        self.writer.close()  # a no-op once closed
+
+
+def write_table(path: Path, table: pa.Table) -> dict[str, Any]:
+    """Write `table` to `<path>.tmp`; its entry names the final file."""
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    return {"file": path.name, "rows": table.num_rows, "sha256": sha256_file(tmp)}
 
 
 def count_families(rows: list[dict]) -> dict[str, int]:

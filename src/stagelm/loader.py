@@ -1,7 +1,8 @@
 """Read packed splits: manifest checks and a Grain loader of numpy batches.
 
-`open_split` verifies a split directory against its manifest (schema, every shard's
-sha256) and memory-maps its Arrow shards. `batch_iterator` builds the Grain pipeline:
+`PackedRows` verifies a split directory against its manifest (schema, every shard's
+sha256), memory-maps its Arrow shards and decodes a row when it is asked for
+(`stagelm.shards`). `batch_iterator` builds the Grain pipeline:
 a seeded shuffle that changes every epoch, repetition, this process's share of the
 rows (for multi-host runs) and batching. Its iterator is
 checkpointable: `get_state()` is a small JSON-able dict, and `set_state()` on a fresh
@@ -18,8 +19,7 @@ import pyarrow as pa
 
 from stagelm.errors import StagelmError
 from stagelm.files import read_json, sha256_file
-
-SCHEMA_VERSION = 1
+from stagelm.shards import SCHEMA_VERSION, ShardRows
 
 
 def read_manifest(split_dir: str | Path) -> dict[str, Any]:
@@ -31,7 +31,10 @@ def read_manifest(split_dir: str | Path) -> dict[str, Any]:
     except ValueError:
         raise StagelmError(f"{path}: not valid JSON; rerun `dvc repro pack`") from None
     if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise StagelmError(f"{path}: schema_version {manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        raise StagelmError(
+            f"{path}: schema_version {manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}; "
+            "repack with `dvc repro pack`"
+        )
     return manifest
 
 
@@ -56,17 +59,12 @@ class PackedRows:
         if verify:
             verify_shards(self.dir, self.manifest)
         self.columns = self.manifest["columns"]
-        self.shards: list[dict[str, np.ndarray]] = []
+        self.shards: list[ShardRows] = []
         self.starts: list[int] = []
         total = 0
         for shard in self.manifest["shards"]:
             table = pa.ipc.open_file(pa.memory_map(str(self.dir / shard["file"]))).read_all()
-            width = self.manifest["row_len"]
-            cols = {
-                c: table[c].combine_chunks().values.to_numpy(zero_copy_only=False).reshape(-1, width)
-                for c in self.columns
-            }
-            self.shards.append(cols)
+            self.shards.append(ShardRows(table, self.manifest["row_len"]))
             self.starts.append(total)
             total += shard["rows"]
         self.rows = total
@@ -82,11 +80,12 @@ class PackedRows:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         shard = bisect.bisect_right(self.starts, index) - 1
         local = index - self.starts[shard]
-        return {c: a[local] for c, a in self.shards[shard].items()}
+        return self.shards[shard].row(local)
 
     def all_rows(self) -> dict[str, np.ndarray]:
-        """Every row, in order, as (rows, row_len) arrays."""
-        return {c: np.concatenate([s[c] for s in self.shards]) for c in self.columns}
+        """Every row, in order, as (rows, row_len) arrays (decoded row by row: for small splits)."""
+        rows = [self[i] for i in range(self.rows)]
+        return {c: np.stack([r[c] for r in rows]) for c in self.columns}
 
 
 class MixedRows:

@@ -1,12 +1,16 @@
 """The pack stage's library: tokenize documents and pack them into fixed-length rows.
 
 A row holds `seq_len + 1` tokens so that a training step sees `seq_len` inputs and
-their `seq_len` shifted targets. Columns, each a fixed-size list per row:
+their `seq_len` shifted targets. The packers build each row's columns as `(rows,
+row_len)` int32 arrays:
 
 - `tokens`: token ids, `<|pad|>` (0) after the last document;
 - `segment_ids`: 1, 2, ... for the documents (or pieces of one) inside the row, 0 for padding;
 - `positions`: the position within the segment, restarting at 0 for each segment;
 - `loss_mask` (SFT only): 1 on the tokens to train on (assistant text and its end token).
+
+`ShardWriter` stores them compactly (`stagelm.shards`: about 2 bytes a token) in Arrow
+IPC shards, written as they fill, with manifest.json last.
 
 Every document is followed by `<|eos|>`. The corpus splits are packed by
 concatenate-and-chunk (a document may straddle rows, nearly no padding); SFT
@@ -17,15 +21,15 @@ exactly the documents' tokens plus their EOSes, in order.
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
 from stagelm.files import sha256_file, write_json
-from stagelm.tokenizer import EOS, chat_segments, encode_batch, special_id
-
-SCHEMA_VERSION = 1
+from stagelm.shards import SCHEMA_VERSION, encode_rows, token_type
+from stagelm.tokenizer import EOS, chat_segments, encode_joined, special_id
 
 
 def segment_layout(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,11 +90,16 @@ def pack_next_fit(docs: list[np.ndarray], masks: list[np.ndarray], row_len: int,
 class ShardWriter:
     """Arrow IPC shards of `rows_per_shard` rows in `out_dir`, each written (and renamed into
     place) as soon as it fills; `finish` writes the last one and then manifest.json, so a
-    killed run never leaves a manifest over partial shards. Memory: one shard of rows."""
+    killed run never leaves a manifest over partial shards. Memory: one shard of rows.
+    Shards are named `<prefix>NNNNN.arrow`; an old manifest is removed first."""
 
-    def __init__(self, out_dir: Path, row_len: int, rows_per_shard: int):
+    def __init__(self, out_dir: Path, row_len: int, rows_per_shard: int, vocab_size: int, prefix: str = "shard-"):
         out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "manifest.json").unlink(missing_ok=True)
+        for old in out_dir.glob(f"{prefix}*.arrow"):
+            old.unlink()
         self.out_dir, self.row_len, self.rows_per_shard = out_dir, row_len, rows_per_shard
+        self.vocab_size, self.prefix = vocab_size, prefix
         self.pending: list[dict[str, np.ndarray]] = []
         self.pending_rows = self.rows = self.real = 0
         self.counts = np.zeros(0, np.int64)  # token frequencies of the non-pad tokens
@@ -109,8 +118,8 @@ class ShardWriter:
         part = {k: v[:n] for k, v in joined.items()}
         rest = {k: v[n:] for k, v in joined.items()}
         self.pending, self.pending_rows = ([rest] if len(rest["tokens"]) else []), self.pending_rows - n
-        table = pa.table({k: pa.FixedSizeListArray.from_arrays(v.reshape(-1), self.row_len) for k, v in part.items()})
-        path = self.out_dir / f"shard-{len(self.shards):05d}.arrow"
+        table = encode_rows(part, self.vocab_size)
+        path = self.out_dir / f"{self.prefix}{len(self.shards):05d}.arrow"
         tmp = path.with_suffix(".arrow.tmp")
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
@@ -126,30 +135,62 @@ class ShardWriter:
             sorted(part),
         )
 
-    def finish(self, meta: dict) -> dict:
-        """Write the last shard, then manifest.json; return the manifest."""
+    def close(self) -> dict[str, Any]:
+        """Write the last shard; return this writer's part of a split (its shards and totals)."""
         if self.pending_rows:
             self.write(self.pending_rows)
-        freqs = self.counts[self.counts > 0] / self.real
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            **meta,
-            "row_len": self.row_len,
+        return {
+            "shards": self.shards,
             "rows": self.rows,
             "tokens": int(self.real),
-            "packing_efficiency": self.real / (self.rows * self.row_len),
-            # Entropy of the token frequencies (nats): the loss of a model that ignores context.
-            "unigram_entropy_nats": float(-(freqs * np.log(freqs)).sum()),
+            "counts": self.counts.tolist(),
             "columns": self.columns,
-            "shards": self.shards,
         }
-        write_json(self.out_dir / "manifest.json", manifest)
-        return manifest
+
+    def finish(self, meta: dict) -> dict:
+        """Write the last shard, then manifest.json; return the manifest."""
+        return write_manifest(self.out_dir, self.row_len, self.vocab_size, [self.close()], meta)
 
 
-def write_split(out_dir: Path, columns: dict[str, np.ndarray], rows_per_shard: int, meta: dict) -> dict:
+def write_manifest(out_dir: Path, row_len: int, vocab_size: int, parts: list[dict[str, Any]], meta: dict) -> dict:
+    """manifest.json of a split written as `parts` (one per process, in process order):
+    their shards in that order and their totals. Shard files in `out_dir` that the
+    manifest does not list (from an earlier run) are removed."""
+    counts = np.zeros(max(len(p["counts"]) for p in parts), np.int64)
+    for part in parts:
+        counts[: len(part["counts"])] += part["counts"]
+    rows, real = sum(p["rows"] for p in parts), sum(p["tokens"] for p in parts)
+    shards = [s for p in parts for s in p["shards"]]
+    freqs = counts[counts > 0] / real
+    if all("documents" in p for p in parts):
+        meta = {**meta, "documents": sum(p["documents"] for p in parts)}
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        **meta,
+        "row_len": row_len,
+        "rows": rows,
+        "tokens": int(real),
+        "packing_efficiency": real / (rows * row_len),
+        # Entropy of the token frequencies (nats): the loss of a model that ignores context.
+        "unigram_entropy_nats": float(-(freqs * np.log(freqs)).sum()),
+        "columns": next(p["columns"] for p in parts if p["columns"]),
+        "token_dtype": token_type(vocab_size).name,  # on disk (stagelm.shards); rows read as int32
+        "processes": len(parts),
+        "shards": shards,
+    }
+    listed = {s["file"] for s in shards}
+    for stale in out_dir.glob("*.arrow"):
+        if stale.name not in listed:
+            stale.unlink()
+    write_json(out_dir / "manifest.json", manifest)
+    return manifest
+
+
+def write_split(
+    out_dir: Path, columns: dict[str, np.ndarray], rows_per_shard: int, vocab_size: int, meta: dict
+) -> dict:
     """Write `columns` (all rows at once) as shards plus manifest.json in `out_dir`; return the manifest."""
-    writer = ShardWriter(out_dir, columns["tokens"].shape[1], rows_per_shard)
+    writer = ShardWriter(out_dir, columns["tokens"].shape[1], rows_per_shard, vocab_size)
     writer.add(columns)
     return writer.finish(meta)
 
@@ -166,13 +207,19 @@ class CorpusPacker:
         self.documents = 0
 
     def add(self, docs: list[np.ndarray]) -> None:
-        if not docs:
+        """Append documents given as token arrays (each gets its EOS here)."""
+        if docs:
+            lengths = np.array([len(d) + 1 for d in docs], np.int64)
+            self.add_joined(np.concatenate([np.append(d, self.eos).astype(np.int32) for d in docs]), lengths)
+
+    def add_joined(self, joined: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents given as one array of their tokens, each already followed by its EOS."""
+        if not len(lengths):
             return
-        lengths = [len(d) + 1 for d in docs]
-        flat = np.concatenate([self.tail, *(np.append(d, self.eos).astype(np.int32) for d in docs)])
-        numbers = np.repeat(np.arange(self.documents, self.documents + len(docs)), lengths)
+        flat = np.concatenate([self.tail, joined])
+        numbers = np.repeat(np.arange(self.documents, self.documents + len(lengths)), lengths)
         doc_of = np.concatenate([self.tail_docs, numbers])
-        self.documents += len(docs)
+        self.documents += len(lengths)
         cut = len(flat) // self.row_len * self.row_len
         if cut:
             self.writer.add(self.rows(flat[:cut], doc_of[:cut]))
@@ -182,21 +229,28 @@ class CorpusPacker:
         segment_ids, positions = segment_layout(doc_of.reshape(-1, self.row_len))
         return {"tokens": tokens.reshape(-1, self.row_len), "segment_ids": segment_ids, "positions": positions}
 
-    def finish(self, meta: dict) -> dict:
-        """Pad the last row, write it, then the manifest (with the document count)."""
+    def close(self) -> dict[str, Any]:
+        """Pad the last row and write it; return the writer's part, with the document count."""
         if len(self.tail):
             padded = self.row_len - len(self.tail)
             tokens = np.concatenate([self.tail, np.zeros(padded, np.int32)])
             self.writer.add(self.rows(tokens, np.concatenate([self.tail_docs, np.full(padded, -1)])))
-        return self.writer.finish({**meta, "documents": self.documents})
+            self.tail, self.tail_docs = self.tail[:0], self.tail_docs[:0]
+        return {**self.writer.close(), "documents": self.documents}
+
+    def finish(self, meta: dict) -> dict:
+        """Pad the last row, write it, then the manifest (with the document count)."""
+        w = self.writer
+        return write_manifest(w.out_dir, w.row_len, w.vocab_size, [self.close()], meta)
 
 
-def pack_corpus(tok: Tokenizer, batches: Iterable[list[str]], writer: ShardWriter, meta: dict) -> dict:
-    """Encode and pack a corpus split streamed as batches of texts; return its manifest."""
-    packer = CorpusPacker(writer, special_id(tok, EOS))
+def pack_corpus(tok: Tokenizer, batches: Iterable[list[str]], writer: ShardWriter) -> dict[str, Any]:
+    """Encode and pack (a share of) a corpus split streamed as batches of texts; return the writer's part."""
+    eos = special_id(tok, EOS)
+    packer = CorpusPacker(writer, eos)
     for texts in batches:
-        packer.add(encode_batch(tok, texts))
-    return packer.finish(meta)
+        packer.add_joined(*encode_joined(tok, texts, eos))
+    return packer.close()
 
 
 def pack_chats(tok: Tokenizer, conversations: list[list[dict]], row_len: int) -> tuple[dict[str, np.ndarray], int]:

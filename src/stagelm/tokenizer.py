@@ -132,6 +132,21 @@ def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
 
+def encode_joined(tok: Tokenizer, texts: Sequence[str], end: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the texts' token ids each followed by `end`, as one int32 array; each text's length with its `end`).
+
+    The cheapest way out of the Rust core for many documents: one list of ids and one
+    array, no array per document (the Python side costs ~5% of the encoding itself)."""
+    flat: list[int] = []
+    lengths = np.empty(len(texts), np.int64)
+    for i, e in enumerate(tok.encode_batch_fast(list(texts), add_special_tokens=False)):
+        ids = e.ids
+        flat += ids
+        flat.append(end)
+        lengths[i] = len(ids) + 1
+    return np.array(flat, np.int32), lengths
+
+
 def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of a conversation; the mask is 1 on assistant text and its <|end|>."""
     ids: list[int] = []
