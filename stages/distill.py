@@ -19,7 +19,7 @@ from stagelm.distill import STUDENT, Distiller, distill_loss, student_lm_loss
 from stagelm.errors import StagelmError, run_main
 from stagelm.loader import MixedRows, PackedRows
 from stagelm.model import Decoder, count_params
-from stagelm.modeldir import load_model, read_model_config, read_model_context, save_model
+from stagelm.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
 from stagelm.trainloop import record_training, start_training, train
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     rows, val_rows = MixedRows(packed), PackedRows(args.val)
 
     read = {"distill": section_dict(cfg), "seed": seed}
-    inputs = {"teacher": args.teacher / "params", "val": args.val / "manifest.json"}
+    inputs = {"teacher": args.teacher / PARAMS_FILE, "val": args.val / "manifest.json"}
     inputs.update({f"data_{i}": d / "manifest.json" for i, d in enumerate(splits)})
     fp = stage_fingerprint(__file__, read, inputs)
 

@@ -9,7 +9,7 @@ written last, so a killed run leaves no folder that looks done.
 from stagelm.config import load_section, section_dict
 from stagelm.download import write_download
 from stagelm.errors import run_main
-from stagelm.stage import start
+from stagelm.stage import beside, start
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
 
     manifest, files = write_download(cfg, args.out)
 
-    stage.record(args.out / "provenance.json", {"data": section_dict(cfg)}, {str(p): p for p in files})
+    stage.record(beside(args.out), {"data": section_dict(cfg)}, {str(p): p for p in files})
     docs, chars = manifest["documents"], manifest["corpus_characters"]
     print(
         f"download: {docs['train']:,} train + {docs['val']:,} val documents "

@@ -22,7 +22,7 @@ from stagelm.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.loader import PackedRows
 from stagelm.lora import add_lora, merge_lora
 from stagelm.model import count_params
-from stagelm.modeldir import load_model, read_model_context, save_model
+from stagelm.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
 from stagelm.tasks import require_families
 from stagelm.tokenizer import load_tokenizer
 from stagelm.trainloop import record_training, start_training, train
@@ -42,7 +42,7 @@ def main() -> None:
     tasks, anchor = rollout_sets(args.raw, cfg)
 
     read = {"grpo": section_dict(cfg), "seed": seed}
-    inputs = {"model": args.model / "params", "rl": args.raw / "manifest.json", "val": args.val / "manifest.json"}
+    inputs = {"model": args.model / PARAMS_FILE, "rl": args.raw / "manifest.json", "val": args.val / "manifest.json"}
     fp = stage_fingerprint(__file__, read, inputs)
 
     model = load_model(args.model, mesh)  # sharded like training: rollouts run on the same mesh

@@ -17,7 +17,7 @@ from stagelm.errors import run_main
 from stagelm.files import read_json, sha256_file, write_json
 from stagelm.pack import ShardWriter, pack_chats, pack_corpus, write_manifest, write_split
 from stagelm.rawdata import iter_column, read_raw
-from stagelm.stage import start
+from stagelm.stage import beside, start
 from stagelm.tokenizer import load_tokenizer
 
 
@@ -48,7 +48,7 @@ def main() -> None:
     print(f"pack: sft: {m['rows']} rows, {m['tokens']} tokens, efficiency {m['packing_efficiency']:.3f}")
 
     inputs = {"raw": args.raw, "tokenizer": tok_path}
-    stage.record(args.out / "provenance.json", {"pack": section_dict(cfg)}, inputs, {"processes": count})
+    stage.record(beside(args.out), {"pack": section_dict(cfg)}, inputs, {"processes": count})
 
 
 def gather(out: Path, part: dict, index: int, count: int) -> list[dict]:

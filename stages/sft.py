@@ -18,7 +18,7 @@ from stagelm.files import sha256_tree, write_json
 from stagelm.loader import PackedRows
 from stagelm.lora import add_lora, merge_lora, save_adapter
 from stagelm.model import count_params
-from stagelm.modeldir import load_model, read_model_config, read_model_context, save_model
+from stagelm.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
 from stagelm.trainloop import record_training, start_training, train
 
 
@@ -39,7 +39,11 @@ def main() -> None:
     rows.require_tokenizer(tokenizer)
 
     read = {"sft": section_dict(cfg), "seed": seed}
-    inputs = {"model": args.model / "params", "train": args.train / "manifest.json", "val": args.val / "manifest.json"}
+    inputs = {
+        "model": args.model / PARAMS_FILE,
+        "train": args.train / "manifest.json",
+        "val": args.val / "manifest.json",
+    }
     fp = stage_fingerprint(__file__, read, inputs)
 
     model = load_model(args.model)

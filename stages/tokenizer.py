@@ -10,7 +10,7 @@ from stagelm.config import init_dir, load_section, load_value, section_dict
 from stagelm.errors import run_main
 from stagelm.files import atomic_write_bytes
 from stagelm.rawdata import iter_column
-from stagelm.stage import start
+from stagelm.stage import beside, start
 from stagelm.tokenizer import TrainingSample, adopt_tokenizer, train_tokenizer
 
 
@@ -37,7 +37,7 @@ def main() -> None:
             f"{cfg.max_train_chars:,})"
         )
     atomic_write_bytes(args.out / "tokenizer.json", tok.to_str(pretty=True).encode())
-    stage.record(args.out / "provenance.json", read, inputs)
+    stage.record(beside(args.out), read, inputs)
     print(f"tokenizer: {done}")
 
 

@@ -193,42 +193,30 @@ def make_project(dest: Path, params: dict) -> Path:
     return dest
 
 
+def run_data_stages(root: Path) -> Path:
+    """data/{raw,tokenizer,packed} under `root` from `root/params.yaml`, made by the real stage scripts."""
+    params, py = str(root / "params.yaml"), sys.executable
+    run([py, str(ROOT / "stages/download.py"), "--params", params, "--out", "data/raw"], root)
+    run(
+        [py, str(ROOT / "stages/tokenizer.py"), "--params", params, "--raw", "data/raw", "--out", "data/tokenizer"],
+        root,
+    )
+    pack = [py, str(ROOT / "stages/pack.py"), "--params", params, "--raw", "data/raw", "--tokenizer", "data/tokenizer"]
+    run([*pack, "--out", "data/packed"], root)
+    return root / "data"
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, relative path → bytes: two folders are identical when these are equal."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.fixture(scope="session")
 def micro_data(tmp_path_factory) -> Path:
     """data/{raw,tokenizer,packed} of the micro params, made by the real stage scripts."""
     root = tmp_path_factory.mktemp("micro_data")
-    params = write_params(root / "params.yaml", micro_params())
-    py = sys.executable
-    run([py, str(ROOT / "stages/download.py"), "--params", str(params), "--out", "data/raw"], root)
-    run(
-        [
-            py,
-            str(ROOT / "stages/tokenizer.py"),
-            "--params",
-            str(params),
-            "--raw",
-            "data/raw",
-            "--out",
-            "data/tokenizer",
-        ],
-        root,
-    )
-    run(
-        [
-            py,
-            str(ROOT / "stages/pack.py"),
-            "--params",
-            str(params),
-            "--raw",
-            "data/raw",
-            "--tokenizer",
-            "data/tokenizer",
-            "--out",
-            "data/packed",
-        ],
-        root,
-    )
-    return root / "data"
+    write_params(root / "params.yaml", micro_params())
+    return run_data_stages(root)
 
 
 @pytest.fixture(scope="session")

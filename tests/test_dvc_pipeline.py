@@ -57,8 +57,15 @@ def test_full_repro_produced_every_artifact(project):
         assert read_json(project / f"data/packed/{split}/manifest.json")["rows"] > 0
     metrics = read_json(project / "runs/pretrain/metrics.json")
     assert metrics["step"] == 12 and metrics["val_loss"] > 0
-    for stage in ("data/raw", "data/tokenizer", "data/packed", "runs/pretrain", "runs/eval/pretrain"):
-        assert read_json(project / stage / "provenance.json")["git"]["commit"]
+    for provenance in (  # beside what other stages read, never inside it (issue 17)
+        "data/raw.provenance.json",
+        "data/tokenizer.provenance.json",
+        "data/packed.provenance.json",
+        "runs/pretrain/provenance.json",
+        "runs/eval/pretrain/provenance.json",
+        "runs/export/pretrain.provenance.json",
+    ):
+        assert read_json(project / provenance)["git"]["commit"]
     ev = read_json(project / "runs/eval/pretrain/metrics.json")
     held_out = micro_params()["data"]["num_eval"] * len(FAMILIES)  # per family × every family
     assert ev["accuracy_format"] in ("completion", "chat") and ev["completion"]["n"] == ev["chat"]["n"] == held_out
@@ -85,6 +92,17 @@ def test_noop_repro_runs_nothing_and_is_quick(project):
     out = run(["dvc", "repro"], project).stdout
     assert "Running stage" not in out
     assert time.perf_counter() - t0 < 5
+
+
+def test_a_rerun_that_changes_no_byte_reruns_nothing_below_it(project):
+    """Issue 17: every output another stage reads has stable bytes, so DVC cuts off early."""
+    forced = run(["dvc", "repro", "-f", "download"], project).stdout
+    assert "Running stage 'download'" in forced
+    assert repro_ran(project) == set()  # tokenizer, pack and all below see the same data/raw
+    forced = run(["dvc", "repro", "-f", "-s", "pretrain"], project).stdout
+    assert "Running stage 'pretrain'" in forced
+    assert repro_ran(project) == {"report"}  # the report shows the new run's times; the model is the same
+    assert status(project) == {}
 
 
 def test_eval_and_sample_params_rerun_only_their_stages(project):

@@ -108,7 +108,10 @@ def test_model_directory_errors(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"vocab_size": 10, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 8, "context_len": 16}'
     )
-    with pytest.raises(StagelmError, match="params: missing"):
+    with pytest.raises(StagelmError, match="params.safetensors: missing"):
+        load_generator(tmp_path)
+    (tmp_path / "params.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(StagelmError, match="params.safetensors: not a readable safetensors file"):
         load_generator(tmp_path)
 
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import micro_params, run_data_stages, tree_bytes, write_params
 
 from stagelm.files import read_json
 from stagelm.loader import PackedRows
@@ -128,3 +129,16 @@ def test_streamed_packing_writes_exactly_the_in_memory_shards(tmp_path, batch):
         packer.add(docs[start : start + batch])
         assert len(packer.tail) < 9 and packer.writer.pending_rows < 4  # only the unfinished row and shard wait
     assert packer.finish({}) == whole  # rows, tokens, entropy and every shard's sha256
+
+
+@pytest.mark.slow
+def test_data_stages_rerun_to_identical_bytes(micro_data, tmp_path):
+    """Issue 17: the same code, params and inputs give byte-identical data folders (so DVC
+    sees a forced rerun as no change); times and the commit sit beside them, not inside."""
+    write_params(tmp_path / "params.yaml", micro_params())
+    again = run_data_stages(tmp_path)
+    for name in ("raw", "tokenizer", "packed"):
+        first, second = tree_bytes(micro_data / name), tree_bytes(again / name)
+        assert first.keys() == second.keys() and first == second, name
+        assert not any(path.endswith("provenance.json") for path in first), name
+        assert (again / f"{name}.provenance.json").is_file()

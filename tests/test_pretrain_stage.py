@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
 
 from stagelm.files import read_json
 from stagelm.modeldir import load_model
@@ -70,6 +70,7 @@ def test_killed_run_resumes_bitwise(micro_data, tmp_path):
     assert all(len(v) == len({s for s, _ in v}) for v in history(killed / "out").values())  # no step twice
     for a, b in zip(params_of(killed / "out"), params_of(whole / "out"), strict=True):
         np.testing.assert_array_equal(a, b)
+    assert tree_bytes(killed / "out/model") == tree_bytes(whole / "out/model")  # the files too: DVC sees one model
     ma, mb = read_json(killed / "out/metrics.json"), read_json(whole / "out/metrics.json")
     for key in ("train_loss", "val_loss", "tokens_seen", "step"):
         assert ma[key] == mb[key]

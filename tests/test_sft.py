@@ -5,7 +5,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, write_params
+from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
 from flax import nnx
 
 from stagelm.config import LoraConfig, load_section
@@ -124,6 +124,8 @@ def test_sft_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp_pat
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
         np.testing.assert_array_equal(x, y)
     assert read_json(killed / "out/metrics.json")["train_loss"] == read_json(whole / "out/metrics.json")["train_loss"]
+    for folder in ("model", "adapter"):  # byte-identical files, so DVC sees the same model and adapter
+        assert tree_bytes(killed / "out" / folder) == tree_bytes(whole / "out" / folder), folder
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from stagelm.config import LoraConfig
@@ -79,10 +78,13 @@ def drop_adapters(tree: dict) -> dict:
 
 
 def save_adapter(out_dir: str | Path, model: Decoder, lora: LoraConfig, base_sha256: str) -> None:
-    """Only the adapter weights (Orbax) and adapter_config.json (rank, alpha, targets, base model hash)."""
+    """Only the adapter weights (`adapter.safetensors`, tensors named by model path) and
+    adapter_config.json (rank, alpha, targets, base model hash): same weights, same bytes."""
+    from stagelm.modeldir import save_tensors
+
     out_dir = Path(out_dir).resolve()
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out_dir / "params", nnx.state(model, nnx.LoRAParam), force=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_tensors(out_dir / "adapter.safetensors", nnx.state(model, nnx.LoRAParam))
     if jax.process_index() == 0:
         write_json(
             out_dir / "adapter_config.json",

@@ -1,23 +1,84 @@
-"""A trained model on disk: `<dir>/params/` (Orbax), `config.json`, `tokenizer.json`.
+"""A trained model on disk: `params.safetensors`, `config.json`, `tokenizer.json`.
 
 This directory is what every model stage writes and what downstream stages, the
 eval and `stagelm generate` load. It holds parameters only (no optimizer state),
 the resolved decoder config with its vocab size, and a copy of the tokenizer the
 model was trained with (its sha256 is in config.json).
+
+The params are one safetensors file, tensors named by their path in the model
+(`blocks/0/attn/q/w`), so the same weights always give the same bytes: DVC sees an
+unchanged model as unchanged and skips what depends on it (Orbax's model format
+carries save times and random file names). Process 0 writes it from arrays gathered
+across processes; every process loads the whole file and places its own shards of
+each array onto the mesh. Training checkpoints (`runs/.checkpoints`) stay Orbax:
+sharded, asynchronous, resumable.
 """
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from stagelm.errors import StagelmError
-from stagelm.files import read_json, sha256_file, write_json
+from stagelm.files import atomic_write_bytes, read_json, sha256_file, write_json
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.sharding import param_shardings
+
+PARAMS_FILE = "params.safetensors"
+
+
+def tensor_name(path: tuple) -> str:
+    """`blocks/0/attn/q/w` for the key path of a leaf of an nnx.State."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return "/".join(p for p in parts if p != "value")
+
+
+def host_arrays(state: Any) -> dict[str, np.ndarray]:
+    """Every array of `state` on the host, whole (gathered from all processes when sharded across them)."""
+    from jax.experimental import multihost_utils
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        out[tensor_name(path)] = np.asarray(leaf)
+    return out
+
+
+def save_tensors(path: Path, state: Any) -> None:
+    """`state`'s arrays as one safetensors file at `path` (all processes call; process 0 writes).
+    bfloat16, which numpy's safetensors writer lacks, is stored as its uint16 bits and named
+    in the file's metadata."""
+    from safetensors.numpy import save
+
+    arrays = host_arrays(state)
+    if jax.process_index() != 0:
+        return
+    bf16 = sorted(n for n, a in arrays.items() if a.dtype == jnp.bfloat16)
+    stored = {n: a.view(np.uint16) if n in bf16 else np.ascontiguousarray(a) for n, a in arrays.items()}
+    atomic_write_bytes(path, save(stored, metadata={"bfloat16": json.dumps(bf16)}))
+
+
+def load_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            bf16 = set(json.loads((f.metadata() or {}).get("bfloat16", "[]")))
+            names = list(f.keys())  # noqa: SIM118 (a safe_open handle is not iterable)
+            return {n: f.get_tensor(n).view(jnp.bfloat16) if n in bf16 else f.get_tensor(n) for n in names}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise StagelmError(f"{path}: not a readable safetensors file ({err}); rerun the stage that wrote it") from None
 
 
 def save_model(
@@ -26,9 +87,7 @@ def save_model(
     """Write params, config.json and the tokenizer into `out_dir` (every process takes part)."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    params = nnx.state(model, nnx.Param)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out_dir / "params", params, force=True)
+    save_tensors(out_dir / PARAMS_FILE, nnx.state(model, nnx.Param))
     if jax.process_index() == 0:
         shutil.copyfile(tokenizer_file, out_dir / "tokenizer.json")
         config = {**model.cfg.__dict__, "tokenizer_sha256": sha256_file(tokenizer_file), **(extra or {})}
@@ -51,23 +110,32 @@ def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> 
     """The Decoder saved in `model_dir`, its params sharded over `mesh` by their logical axes when given."""
     model_dir = Path(model_dir).resolve()
     cfg = read_model_config(model_dir)
-    if not (model_dir / "params").is_dir():
-        raise StagelmError(f"{model_dir / 'params'}: missing; rerun the stage that writes {model_dir}")
+    params_file = model_dir / PARAMS_FILE
+    if not params_file.is_file():
+        raise StagelmError(f"{params_file}: missing; rerun the stage that writes {model_dir}")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    # Explicit target shardings: the saved ones name the devices of the run that wrote the
-    # model (a cluster's, perhaps), which this process may not have.
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     if mesh is not None:
         shardings = param_shardings(state, mesh)
     else:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, state)
-    target = jax.tree.map(lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), state, shardings)
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            restored = ckptr.restore(model_dir / "params", target)
-    except (ValueError, KeyError) as err:
+    tensors = load_tensors(params_file)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    names = [tensor_name(path) for path, _ in leaves]
+    if sorted(names) != sorted(tensors):
+        missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
         raise StagelmError(
-            f"{model_dir / 'params'}: does not match config.json ({str(err)[:120]}); rerun its stage"
-        ) from None
-    return nnx.merge(graphdef, restored)
+            f"{params_file}: does not match config.json (missing {missing[:3]}, unexpected {extra[:3]}); "
+            "rerun its stage"
+        )
+    arrays = []
+    for name, (_, want), sharding in zip(names, leaves, jax.tree.leaves(shardings), strict=True):
+        have = tensors[name]
+        if have.shape != want.shape or have.dtype != want.dtype:
+            raise StagelmError(
+                f"{params_file}: {name} is {have.dtype}{list(have.shape)}, config.json says "
+                f"{want.dtype}{list(want.shape)}; rerun its stage"
+            )
+        arrays.append(jax.make_array_from_callback(have.shape, sharding, lambda index, a=have: a[index]))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, arrays), rest)

@@ -3,13 +3,14 @@
     stage = start(__doc__, "raw", "out")           # --raw, --out (paths) and --params
     cfg = load_section(stage.params, "tokenizer")  # literal section names: `stagelm deps` reads them
     ...
-    stage.record(stage.args.out / "provenance.json", read, inputs)
+    stage.record(beside(stage.args.out), read, inputs)  # provenance next to the output folder
 
-`start` parses the command line (every path flag required, `--params` defaulting to
-params.yaml), notes the start time and reads params.yaml on first use. Training
-stages start through `stagelm.trainloop.start_training`, which adds the
-multi-process runtime and the mesh. Nothing here imports JAX, so the data stages
-start in a fraction of a second.
+`beside(out)` names the provenance file next to an output folder (never inside it,
+so the folder's bytes do not change with the times). `start` parses the command line
+(every path flag required, `--params` defaulting to params.yaml), notes the start
+time and reads params.yaml on first use. Training stages start through
+`stagelm.trainloop.start_training`, which adds the multi-process runtime and the mesh.
+Nothing here imports JAX, so the data stages start in a fraction of a second.
 """
 
 import argparse
@@ -38,6 +39,13 @@ class Stage:
     ) -> None:
         """Write the provenance file `path`: the params read, the inputs' hashes, times, code and libraries."""
         write_provenance(path, self.name, read, inputs, self.started, extra)
+
+
+def beside(out: Path) -> Path:
+    """Where the provenance of output folder `out` goes: `<out>.provenance.json`, next to it.
+    Times and the commit live there, so they never change the bytes of what other stages
+    read, and DVC sees an unchanged folder as unchanged."""
+    return out.with_name(out.name + ".provenance.json")
 
 
 def start(doc: str | None, *paths: str, options: dict[str, dict[str, Any]] | None = None) -> Stage:
