@@ -21,6 +21,21 @@ def stable(entry: dict) -> dict:
     return {**entry, "outs": outs}
 
 
+def differences(before: list | dict | str | None, after: list | dict | str | None) -> str:
+    """What changed in one key of an entry: the paths whose md5 moved, came or went, else both values."""
+    if isinstance(before, list) and isinstance(after, list):
+        old = {e["path"]: e.get("md5") for e in before}
+        new = {e["path"]: e.get("md5") for e in after}
+        moved = [p for p in old.keys() & new.keys() if old[p] != new[p]]
+        parts = [
+            f"md5 of {sorted(moved)}" if moved else "",
+            f"new {sorted(new.keys() - old.keys())}" if new.keys() - old.keys() else "",
+            f"gone {sorted(old.keys() - new.keys())}" if old.keys() - new.keys() else "",
+        ]
+        return "; ".join(p for p in parts if p)
+    return f"committed {before!r}, reproduced {after!r}"
+
+
 def main() -> None:
     committed = yaml.safe_load(
         subprocess.run(["git", "show", "HEAD:dvc.lock"], capture_output=True, text=True, check=True).stdout
@@ -36,7 +51,7 @@ def main() -> None:
         failed = True
         for key in ("cmd", "deps", "params", "outs"):
             if before.get(key) != after.get(key):
-                print(f"FAIL: dvc.lock {name}.{key}: committed {before.get(key)!r}, reproduced {after.get(key)!r}")
+                print(f"FAIL: dvc.lock {name}.{key}: {differences(before.get(key), after.get(key))}")
     if failed:
         sys.exit(
             "dvc.lock: the data stages did not reproduce the committed entries; commit the new dvc.lock "
