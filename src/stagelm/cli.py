@@ -88,6 +88,8 @@ def generate(args: argparse.Namespace) -> None:
     from stagelm.generate import Sampling, load_generator
     from stagelm.tokenizer import chat_prompt_ids
 
+    if args.max_new_tokens < 1:
+        raise StagelmError(f"--max-new-tokens: expected a positive int, got {args.max_new_tokens}")
     sampling = Sampling(args.temperature, args.top_k, args.top_p)  # validates before the model loads
     gen = load_generator(args.model_dir)
     tok = gen.tokenizer
@@ -128,7 +130,15 @@ def deps(args: argparse.Namespace) -> None:
 
 def export_hf(args: argparse.Namespace) -> None:
     from stagelm.hf import export_hf
+    from stagelm.modeldir import PARAMS_FILE
 
+    target = args.out_dir
+    if target.exists() and not target.is_dir():
+        raise StagelmError(f"{target}: a file, not a folder; give export-hf a new or empty folder to write")
+    if target.resolve() == args.model_dir.resolve():
+        raise StagelmError(f"{target}: is the model being exported; give export-hf another folder")
+    if (target / PARAMS_FILE).is_file() or (target / "params").is_dir():
+        raise StagelmError(f"{target}: holds a stagelm model, which the export would overwrite; give another folder")
     out = export_hf(args.model_dir, args.out_dir)
     print(f"export-hf: {args.model_dir} → {out} (LlamaForCausalLM; model.safetensors, tokenizer, chat template)")
 

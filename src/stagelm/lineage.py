@@ -18,7 +18,13 @@ from stagelm.files import read_json
 def read_lock(lock_path: Path) -> dict[str, Any]:
     if not lock_path.is_file():
         raise StagelmError(f"{lock_path}: not found; run `dvc repro` first (or run from the project root)")
-    return (yaml.safe_load(lock_path.read_text()) or {}).get("stages", {})
+    try:
+        lock = yaml.safe_load(lock_path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        lock = None
+    if not isinstance(lock, dict) or not isinstance(lock.get("stages"), dict):
+        raise StagelmError(f"{lock_path}: not a dvc.lock (no `stages` mapping); give --lock the project's dvc.lock")
+    return lock["stages"]
 
 
 def producer(stages: dict[str, Any], path: str) -> str | None:
@@ -100,7 +106,13 @@ def inspect_run(run_dir: Path, checkpoints_root: Path) -> str:
     prov_path = run_dir / "provenance.json"
     if not prov_path.is_file():
         raise StagelmError(f"{prov_path}: missing; {run_dir} is not a finished stage run")
-    prov = read_json(prov_path)
+    try:
+        prov = read_json(prov_path)
+    except (ValueError, UnicodeDecodeError):
+        prov = None
+    missing = [k for k in ("stage", "started", "finished") if not isinstance(prov, dict) or k not in prov]
+    if missing:
+        raise StagelmError(f"{prov_path}: not a stage's provenance (no {missing[0]!r}); rerun the stage that wrote it")
     lines = [f"{run_dir}: stage {prov['stage']}, started {prov['started']}, finished {prov['finished']}"]
     git = prov.get("git", {})
     lines.append(f"commit {git.get('commit')}{' (dirty)' if git.get('dirty') else ''}")
