@@ -1,6 +1,6 @@
 """Check that `make repro` reproduced the committed dvc.lock entries of the data stages.
 
-download, tokenizer and pack are deterministic, so on a clean clone their dvc.lock
+params, download, tokenizer and pack are deterministic, so on a clean clone their dvc.lock
 entries (deps, params and the md5 of every output other stages read) must come out
 as committed; only their provenance files (times, commit) may differ. A change to
 their code, params or libraries must therefore commit the dvc.lock it produces, and a
@@ -12,7 +12,7 @@ import sys
 
 import yaml
 
-STAGES = ("download", "tokenizer", "pack")
+STAGES = ("params", "download", "tokenizer", "pack")
 
 
 def stable(entry: dict) -> dict:

@@ -17,6 +17,7 @@ from stagelm.evaluation import FORMATS, answer_tasks, limit_per_family, task_met
 from stagelm.files import atomic_write_bytes, write_json
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows
+from stagelm.meshbatch import check_batch
 from stagelm.modeldir import load_model, read_model_context
 from stagelm.rawdata import read_raw
 from stagelm.sharding import make_mesh
@@ -33,6 +34,7 @@ def main() -> None:
     mesh_cfg = load_section(stage.params, "mesh")
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    check_batch(cfg.batch_size, mesh, "eval.batch_size")
     tok = load_tokenizer(args.model / "tokenizer.json")
     model = load_model(args.model, mesh)
     rows = PackedRows(args.val)

@@ -20,12 +20,16 @@ from stagelm.rawdata import iter_column, read_raw
 from stagelm.stage import beside, start
 from stagelm.tokenizer import load_tokenizer
 
+SPLITS = ("train", "val", "sft")
+
 
 def main() -> None:
     stage = start(__doc__, "raw", "tokenizer", "out")
     args = stage.args
     cfg = load_section(stage.params, "pack")
     index, count = distributed.join()
+    for split in SPLITS:  # from here until each split's new manifest, no split looks packed
+        (args.out / split / "manifest.json").unlink(missing_ok=True)
     tok_path = args.tokenizer / "tokenizer.json"
     tok = load_tokenizer(tok_path)
     vocab, row_len = tok.get_vocab_size(), cfg.seq_len + 1  # seq_len inputs plus the last shifted target

@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stagelm.checkpoint import HASHES
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -138,11 +140,12 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, 
 
 
 def kill_after_first_checkpoint(cmd: list[str], cwd: Path, checkpoints: Path) -> None:
-    """Start a training stage and SIGKILL it as soon as a checkpoint step folder appears."""
+    """Start a training stage and SIGKILL it as soon as its first checkpoint is committed
+    (the step folder's hashes written: stagelm.checkpoint)."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if any(p.name.isdigit() for p in checkpoints.glob("*/*")):
+        if any(checkpoints.glob(f"*/*/{HASHES}")):
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)

@@ -4,12 +4,20 @@ The command runs in-process (`stagelm.cli.main` with its argv): what is tested i
 check, not a subprocess starting.
 """
 
+import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import tree_bytes
+from conftest import ROOT, micro_params, run_in_process, tree_bytes, write_params
+from flax import nnx
+from tokenizers import Tokenizer
 
 from stagelm import cli
+from stagelm.hf import EXPORT_FILES
+from stagelm.model import Decoder, DecoderConfig
+from stagelm.modeldir import save_model
 
 
 def stagelm(monkeypatch, capsys, *argv: str) -> str:
@@ -41,8 +49,8 @@ def test_export_hf_never_writes_over_a_model_or_a_file(monkeypatch, capsys, tmp_
     a_file.write_text("keep me")
     before = tree_bytes(tmp_path)
     cases = [
-        (model, "is the model being exported"),
-        (other, "holds a stagelm model, which the export would overwrite"),
+        (model, "is (or is inside) the model being exported"),
+        (other, "holds ['params.safetensors'], not only a previous export"),
         (a_file, "a file, not a folder"),
     ]
     for target, words in cases:
@@ -60,3 +68,232 @@ def test_lineage_and_inspect_refuse_files_that_are_not_theirs(monkeypatch, capsy
         (tmp_path / "provenance.json").write_text(text)
         err = stagelm(monkeypatch, capsys, "inspect", str(tmp_path))
         assert err.startswith(f"error: {tmp_path / 'provenance.json'}: not a stage's provenance (no {missing})")
+
+
+# --- model directories: hashes written at save time, checked at every load --------------
+
+
+@pytest.fixture
+def model_dir(micro_data, tmp_path):
+    """A real (tiny, untrained) stagelm model directory with the micro tokenizer."""
+    tokenizer = micro_data / "tokenizer/tokenizer.json"
+    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    cfg = DecoderConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
+    save_model(tmp_path / "model", Decoder(cfg, nnx.Rngs(0)), tokenizer, {"context_len": 32})
+    return tmp_path / "model"
+
+
+def permuted_tokenizer(path: Path) -> bytes:
+    """The same tokenizer.json with the ids of two vocabulary entries swapped: same size, other ids."""
+    doc = json.loads(path.read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = list(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    text = json.dumps(doc)
+    return text.encode()
+
+
+def damage(model: Path, how: str) -> str:
+    """Damage `model` as a user's disk or hands might; return the words its load error must hold."""
+    params, config = model / "params.safetensors", model / "config.json"
+    if how == "params-bit-flip":
+        data = bytearray(params.read_bytes())
+        data[-5] ^= 0x10
+        params.write_bytes(bytes(data))
+        return f"{params.resolve()}: sha256 differs from config.json's params_sha256"
+    if how == "params-truncated":
+        params.write_bytes(params.read_bytes()[:100])
+        return f"{params.resolve()}: sha256 differs from config.json's params_sha256"
+    if how == "tokenizer-permuted":
+        (model / "tokenizer.json").write_bytes(permuted_tokenizer(model / "tokenizer.json"))
+        return f"{(model / 'tokenizer.json').resolve()}: sha256 differs from config.json's tokenizer_sha256"
+    raw = json.loads(config.read_text())
+    if how == "config-not-json":
+        config.write_text("{" + config.read_text())
+        return f"{config}: not valid JSON"
+    if how == "config-without-vocab_size":
+        del raw["vocab_size"]
+        config.write_text(json.dumps(raw))
+        return f"{config}: vocab_size missing; not a stagelm model config"
+    if how == "config-heads-zero":
+        raw["n_heads"] = 0
+        config.write_text(json.dumps(raw))
+        return f"{config}: n_heads: expected a positive int, got 0"
+    if how == "config-without-hashes":
+        del raw["params_sha256"]
+        config.write_text(json.dumps(raw))
+        return "no params_sha256, so params.safetensors cannot be verified; rerun the stage that wrote it"
+    raise AssertionError(how)
+
+
+DAMAGE = [
+    "params-bit-flip",
+    "params-truncated",
+    "tokenizer-permuted",
+    "config-not-json",
+    "config-without-vocab_size",
+    "config-heads-zero",
+    "config-without-hashes",
+]
+
+
+def test_an_intact_model_generates(monkeypatch, capsys, model_dir):
+    monkeypatch.setattr(sys, "argv", ["stagelm", "generate", str(model_dir), "--prompt", "a", "--max-new-tokens", "2"])
+    cli.main()  # no SystemExit: the hashes match what was saved
+    assert capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_model_is_refused_on_load(monkeypatch, capsys, model_dir, how):
+    words = damage(model_dir, how)
+    before = tree_bytes(model_dir)
+    err = stagelm(monkeypatch, capsys, "generate", str(model_dir), "--prompt", "a", "--max-new-tokens", "2")
+    assert words in err
+    err = stagelm(monkeypatch, capsys, "export-hf", str(model_dir), str(model_dir.parent / "hf"))
+    assert words in err and not (model_dir.parent / "hf").exists()
+    assert tree_bytes(model_dir) == before
+
+
+def test_export_hf_replaces_only_a_previous_export_and_never_its_source(monkeypatch, capsys, model_dir, tmp_path):
+    out = tmp_path / "hf"
+    for _ in range(2):  # the second export replaces the first
+        monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(out)])
+        cli.main()
+    assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    (out / "notes.md").write_text("mine")
+    before = tree_bytes(tmp_path)
+    err = stagelm(monkeypatch, capsys, "export-hf", str(model_dir), str(out))
+    assert (
+        err
+        == f"error: {out}: "
+        + "holds ['notes.md'], not only a previous export; "
+        + "give export-hf a new or empty folder\n"
+    )
+    err = stagelm(monkeypatch, capsys, "export-hf", str(model_dir), str(model_dir / "hf"))
+    assert "is (or is inside) the model being exported" in err
+    assert tree_bytes(tmp_path) == before
+
+
+# --- import-hf: every config field it uses, range-checked before anything is allocated ---
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 1,
+    "intermediate_size": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+
+IMPORTS = [  # (config.json changes, or a file's bytes, → the words of the error)
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings = 1000000000000; expected an integer in [1, "),
+    ({"max_position_embeddings": -1}, "max_position_embeddings = -1; expected an integer in [1, "),
+    ({"num_attention_heads": 0}, "num_attention_heads = 0; expected an integer in [1, "),
+    ({"num_attention_heads": 3}, "num_attention_heads 3 does not divide hidden_size 16"),
+    ({"hidden_size": "abc"}, "hidden_size = 'abc'; expected an integer in [1, "),
+    ({"intermediate_size": None}, "intermediate_size missing; a Llama config.json needs it"),
+    ({"num_hidden_layers": 200000}, "num_hidden_layers = 200000; expected an integer in [1, 1,024]"),
+    ({"rms_norm_eps": "small"}, "rms_norm_eps = 'small'; expected a positive number"),
+    ({"config.json": b"{not json"}, "config.json: not valid JSON"),
+    ({"model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"}, "not a readable safetensors file"),
+    ({"tokenizer.json": b'{"version": "1.0", "model": 3}'}, "tokenizer.json: not a valid tokenizer.json"),
+]
+
+
+@pytest.mark.parametrize(("change", "words"), IMPORTS, ids=[words.split(";")[0][:40] for _, words in IMPORTS])
+def test_import_hf_checks_the_checkpoint_before_allocating(monkeypatch, capsys, micro_data, tmp_path, change, words):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = {k: v for k, v in {**LLAMA, **change}.items() if v is not None and "." not in k}
+    (hf / "config.json").write_text(json.dumps(config))
+    shutil.copyfile(micro_data / "tokenizer/tokenizer.json", hf / "tokenizer.json")
+    (hf / "model.safetensors").write_bytes(b"")  # weights are read only after the config passes
+    for name, data in change.items():
+        if "." in name:
+            (hf / name).write_bytes(data)
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+    assert words in err
+    assert not (tmp_path / "out").exists()
+
+
+# --- stagelm check: data folders a pack or download left unfinished ----------------------
+
+
+def test_check_refuses_a_pack_that_did_not_finish(monkeypatch, capsys, micro_data, tmp_path):
+    shutil.copytree(micro_data, tmp_path / "data")
+    write_params(tmp_path / "params.yaml", micro_params())
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["stagelm", "check"])
+    cli.main()
+    assert "ok: data/packed/val: " in capsys.readouterr().out
+    val = Path("data/packed/val")
+    manifest = (val / "manifest.json").read_bytes()
+    (val / "manifest.json").unlink()  # killed before its manifest: the shards may be new, old or half
+    err = stagelm(monkeypatch, capsys, "check")
+    assert err.startswith(f"error: {val}: no manifest.json, so its files are not a finished pack; run `dvc repro pack`")
+    (val / "manifest.json").write_bytes(manifest)
+    shutil.copyfile(val / "shard-00000.arrow", val / "shard-00099.arrow")  # a shard the old manifest does not list
+    err = stagelm(monkeypatch, capsys, "check")
+    assert "shards ['shard-00099.arrow'] are not in its manifest.json" in err
+    (val / "shard-00099.arrow").unlink()
+    shard = val / "shard-00000.arrow"
+    shard.write_bytes(shard.read_bytes()[:-8])  # an old manifest over a new, shorter shard
+    err = stagelm(monkeypatch, capsys, "check")
+    assert err == f"error: {shard}: sha256 differs from {val / 'manifest.json'}; run `dvc repro pack`, " + (
+        f"or `dvc checkout --force {val}` to restore the last one\n"
+    )
+    for typo, words in (("trainig", "(did you mean 'training'?)"), ("notes", "unknown top-level key")):
+        write_params(tmp_path / "params.yaml", {**micro_params(), typo: {"lr": 1}})
+        assert words in stagelm(monkeypatch, capsys, "check")
+
+
+# --- task files: every row against its schema, naming file, line and field ---------------
+
+CHAT = {"family": "chat", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+TASK = {"family": "arithmetic", "prompt": "2 plus 2 is", "chat_prompt": "What is 2 plus 2?", "spec": {"answer": 4}}
+
+TASK_ROWS = [  # (task set, its lines, the words of the error)
+    ("sft", [{**CHAT, "messages": "hi"}], "f.jsonl:1: messages: expected a non-empty list"),
+    ("sft", [CHAT, {**CHAT, "messages": [{"role": "user"}]}], "f.jsonl:2: messages[0].content: expected a string"),
+    ("sft", [CHAT, {**CHAT, "family": 3}], "f.jsonl:2: family: expected a non-empty string, got 3"),
+    ("sft", [CHAT, 5], "f.jsonl:2: not a JSON object; data.sft_files must be jsonl"),
+    ("sft", [{**CHAT, "messages": [{"role": "user", "content": "x"}]}], "f.jsonl:1: messages: no assistant turn"),
+    ("eval", [{**TASK, "spec": {}}], "f.jsonl:1: spec.answer: missing; the arithmetic checker needs ['answer']"),
+    ("eval", [{**TASK, "spec": {"answer": "4"}}], "f.jsonl:1: spec.answer: expected an integer, got '4'"),
+    ("rl", [TASK, {**TASK, "family": "uses_word", "spec": {"word": "lamp"}}], "f.jsonl:2: spec.max_words: missing"),
+    ("rl", [{**TASK, "prompt": 7}], "f.jsonl:1: prompt: expected a non-empty string, got 7"),
+    ("eval", [{**TASK, "family": "poetry"}], "f.jsonl:1: family: unknown 'poetry'"),
+]
+
+
+@pytest.mark.parametrize(("name", "rows", "words"), TASK_ROWS, ids=[w[10:50] for _, _, w in TASK_ROWS])
+def test_task_files_are_checked_row_by_row(capsys, tmp_path, monkeypatch, name, rows, words):
+    monkeypatch.chdir(tmp_path)
+    Path("f.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_params(tmp_path / "params.yaml", micro_params(data={f"{name}_files": "f.jsonl"}))
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "keep.txt").write_text("an earlier download")
+    code, err = run_in_process([sys.executable, str(ROOT / "stages/download.py"), "--out", str(raw)], capsys)
+    assert code == 2 and err.count("\n") == 1 and words in err, err
+    assert f"; fix the row or data.{name}_files" in err or "must be jsonl" in err
+    assert tree_bytes(raw) == {"keep.txt": b"an earlier download"}
+
+
+def test_a_batch_that_does_not_split_over_the_mesh_fails_before_compiling(capsys, micro_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", micro_params(training={"batch_size": 6}))  # 8 (simulated) devices
+    packed = micro_data / "packed"
+    cmd = [sys.executable, str(ROOT / "stages/pretrain.py"), "--train", str(packed / "train"), "--val"]
+    cmd += [str(packed / "val"), "--tokenizer", str(micro_data / "tokenizer/tokenizer.json")]
+    code, err = run_in_process([*cmd, "--out", "out", "--checkpoints", "ckpt"], capsys)
+    assert code == 2 and err == (
+        "error: training.batch_size: 6 rows do not split over the mesh's 8 data-parallel devices "
+        "(mesh.data × mesh.fsdp = {'data': 8, 'fsdp': 1, 'tensor': 1}); give a multiple of 8, or set the mesh\n"
+    )
+    assert not Path("out").exists()

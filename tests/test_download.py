@@ -143,7 +143,7 @@ def test_task_files_replace_synthetic_sets(tmp_path):
     _, _, meta = collect(data_cfg(sft_files=str(sft)), tmp_path / "raw")
     assert meta["files"]["sft"]["rows"] == 1 and meta["task_sets"]["sft"] == f"files:{sft}"
     (tmp_path / "bad.jsonl").write_text(json.dumps({"family": "poetry", "prompt": "x", "chat_prompt": "y", "spec": {}}))
-    with pytest.raises(StagelmError, match=r"bad\.jsonl:1: unknown family 'poetry'"):
+    with pytest.raises(StagelmError, match=r"bad\.jsonl:1: family: unknown 'poetry'"):
         collect(data_cfg(eval_files=str(tmp_path / "bad.jsonl")), tmp_path / "raw2")
 
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from conftest import env_with_venv, make_project, micro_params, run, write_params
 
+from stagelm.checkpoint import HASHES
 from stagelm.files import read_json
 from stagelm.generate import load_generator
 from stagelm.loader import PackedRows
@@ -108,15 +109,15 @@ def test_a_rerun_that_changes_no_byte_reruns_nothing_below_it(project):
 def test_eval_and_sample_params_rerun_only_their_stages(project):
     write_params(project / "params.yaml", micro_params(sample={"temperature": 0.7}))
     samples = {f"sample@{m}" for m in MODELS}
-    assert set(status(project)) == samples
-    assert repro_ran(project) == samples | {"report"}
+    assert set(status(project)) == {"params"} | samples  # the params stage reads the whole file
+    assert repro_ran(project) == {"params"} | samples | {"report"}
     params = micro_params(sample={"temperature": 0.7}, eval={"max_examples": 20})
     write_params(project / "params.yaml", params)
-    assert repro_ran(project) == {f"eval@{m}" for m in MODELS} | {"report"}
+    assert repro_ran(project) == {"params"} | {f"eval@{m}" for m in MODELS} | {"report"}
     params["benchmark"] = {**params["benchmark"], "repetitions": 11}
     write_params(project / "params.yaml", params)
-    assert set(status(project)) == {"benchmark"}
-    assert repro_ran(project) == {"benchmark", "report"}
+    assert set(status(project)) == {"params", "benchmark"}
+    assert repro_ran(project) == {"params", "benchmark", "report"}
 
 
 def test_generate_cli_streams_from_a_stage_model(project):
@@ -132,35 +133,61 @@ def test_generate_cli_streams_from_a_stage_model(project):
 
 
 def test_params_change_reruns_only_downstream(project):
+    # The params stage depends on params.yaml as a file: every edit reruns it, and its stamp's
+    # bytes never change, so below it only the stages that list the edited key run.
     write_params(project / "params.yaml", micro_params(training={"lr": 1e-3}))
-    assert set(status(project)) == {"pretrain"}  # sft and the per-model stages follow once it reruns
+    assert set(status(project)) == {"params", "pretrain"}  # sft and the per-model stages follow once it reruns
     write_params(project / "params.yaml", micro_params(tokenizer={"vocab_size": 290}))
-    assert set(status(project)) == {"tokenizer"}  # what follows it: test_experiment_runs_and_compares
+    assert set(status(project)) == {"params", "tokenizer"}  # what follows it: test_experiment_runs_and_compares
     params = micro_params()
     params["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}
     params["launch"] = {"command": "srun --nodes=2"}  # an execution setting: not even the cmd changes
     params["training"]["log_every"] = 5
-    params["notes"] = "an unrelated key"
     write_params(project / "params.yaml", params)
+    assert set(status(project)) == {"params"}
+    assert repro_ran(project) == {"params"}  # execution settings rerun the check and nothing else
     assert status(project) == {}
+
+
+TYPOS = [  # (params edit, the line `dvc repro` must fail with)
+    ({"training": {"learning_rate": 1e-4}}, "training.learning_rate: unknown key; expected one of lr, min_lr_ratio,"),
+    ({"grpo": {"kl_coeff": 0.1}}, "grpo.kl_coeff: unknown key (did you mean 'kl_coef'?)"),
+    ({"trainig": {"lr": 1e-4}}, "trainig: unknown top-level key of params.yaml (did you mean 'training'?)"),
+]
+
+
+def test_a_params_typo_fails_repro_before_any_stage_runs(project):
+    before = read_json(project / "runs/pretrain/metrics.json")
+    for edit, message in TYPOS:  # one project copy for all: each repro stops at the params stage
+        params = micro_params()
+        for section, values in edit.items():
+            params[section] = {**params.get(section, {}), **values}
+        write_params(project / "params.yaml", params)
+        result = run(["dvc", "repro"], project, check=False)
+        out = result.stdout + result.stderr
+        assert result.returncode != 0 and f"error: {message}" in out and "Traceback" not in out, out
+        ran = [line for line in result.stdout.splitlines() if line.startswith("Running stage")]
+        assert ran == ["Running stage 'params':"], ran
+    assert read_json(project / "runs/pretrain/metrics.json") == before
 
 
 def test_failed_stage_loses_nothing(project):
     before = read_json(project / "data/packed/train/manifest.json")
-    write_params(project / "params.yaml", micro_params(pack={"seq_len": "abc"}))
+    write_params(project / "params.yaml", micro_params(data={"source": "files:nowhere/*.txt"}))  # valid params
     result = run(["dvc", "repro"], project, check=False)
-    assert result.returncode != 0
-    assert "error: pack.seq_len: expected an int >= 2, got 'abc'" in result.stdout + result.stderr
+    assert result.returncode != 0 and "Running stage 'download'" in result.stdout  # the stage itself failed
+    assert "error: data.source: " in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     write_params(project / "params.yaml", micro_params())
     run(["dvc", "checkout"], project)
     assert read_json(project / "data/packed/train/manifest.json") == before
+    assert repro_ran(project) <= {"params"}  # it passed on the edited file; only the check reruns (or is cached)
     assert status(project) == {}
 
 
 def test_lineage_walks_back_to_the_raw_data_with_the_locked_hashes(project):
     out = run(["stagelm", "lineage", "runs/grpo/model"], project).stdout
-    assert out.splitlines()[0] == "grpo ← sft ← pretrain ← pack ← tokenizer ← download"
+    assert out.splitlines()[0] == "grpo ← sft ← pretrain ← pack ← tokenizer ← download ← params"
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     commit = run(["git", "rev-list", "--max-parents=0", "HEAD"], project).stdout.strip()  # the repro ran there
     for stage in ("grpo", "sft", "pretrain", "pack", "tokenizer"):
@@ -170,7 +197,7 @@ def test_lineage_walks_back_to_the_raw_data_with_the_locked_hashes(project):
     assert f"pretrain: commit {commit[:10]}" in out
     assert "param training.lr = " in out and "param sft.method = lora" in out and "param grpo.kl_coef = " in out
     distill = run(["stagelm", "lineage", "runs/distill/model"], project).stdout
-    assert distill.splitlines()[0] == "distill ← sft ← pretrain ← pack ← tokenizer ← download"
+    assert distill.splitlines()[0] == "distill ← sft ← pretrain ← pack ← tokenizer ← download ← params"
     bad = run(["stagelm", "lineage", "nowhere/at/all"], project, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: nowhere/at/all: no stage")
 
@@ -188,7 +215,7 @@ def test_experiment_runs_and_compares(project):
     downstream = {"sft", "distill", "grpo", "benchmark", "report"} | {
         f"{kind}@{m}" for kind in ("eval", "sample", "export") for m in MODELS
     }
-    assert ran == {"tokenizer", "pack", "pretrain"} | downstream
+    assert ran == {"params", "tokenizer", "pack", "pretrain"} | downstream
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
     baseline = shown[1]
     experiment = baseline["experiments"][0]["revs"][0]
@@ -210,7 +237,8 @@ def test_bad_experiment_fails_at_once_with_the_params_line(project):
     result = run(["dvc", "exp", "run", "-S", "training.lr=fast"], project, check=False)
     assert result.returncode != 0
     assert "error: training.lr: expected a positive float, got 'fast'" in result.stdout + result.stderr
-    assert "Running stage 'pretrain'" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    assert "Running stage 'params'" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    assert "Running stage 'pretrain'" not in result.stdout  # the params stage stopped the run first
 
 
 def test_a_pushed_model_is_evaluated_elsewhere_without_retraining(project, tmp_path):
@@ -276,7 +304,7 @@ def test_ctrl_c_stops_every_stage_process_and_the_next_repro_recovers(project):
     )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if any(step.name.isdigit() for run_dir in set(checkpoints.iterdir()) - old for step in run_dir.iterdir()):
+        if any((step / HASHES).is_file() for run_dir in set(checkpoints.iterdir()) - old for step in run_dir.iterdir()):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "pretrain finished before it could be interrupted"

@@ -1,5 +1,7 @@
 """The KV-cache generator: cached ≡ full-prefix, batch ≡ alone, one compile, seeded sampling."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 from flax import nnx
 
 from stagelm.errors import StagelmError
+from stagelm.files import sha256_file
 from stagelm.generate import Generator, Sampling, sample_tokens
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.tokenizer import load_tokenizer
@@ -111,6 +114,15 @@ def test_model_directory_errors(tmp_path):
     with pytest.raises(StagelmError, match="params.safetensors: missing"):
         load_generator(tmp_path)
     (tmp_path / "params.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(StagelmError, match="config.json: no params_sha256, so params.safetensors cannot be verified"):
+        load_generator(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    config = json.loads((tmp_path / "config.json").read_text())
+    hashes = {
+        "params_sha256": sha256_file(tmp_path / "params.safetensors"),
+        "tokenizer_sha256": sha256_file(tmp_path / "tokenizer.json"),
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**config, **hashes}))  # as a writer with a bug would leave it
     with pytest.raises(StagelmError, match="params.safetensors: not a readable safetensors file"):
         load_generator(tmp_path)
 

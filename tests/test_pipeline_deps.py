@@ -84,3 +84,12 @@ def test_no_stage_declares_execution_settings():
     for stage in STAGES.values():
         for entry in stage.get("params", []):
             assert entry not in EXECUTION_SECTIONS and entry not in EXECUTION_KEYS
+
+
+def test_every_stage_waits_for_the_params_check():
+    """The params stage reads params.yaml whole; every other stage depends on its stamp, so a
+    typo fails `dvc repro` before anything runs (tests/test_dvc_pipeline.py runs it)."""
+    assert STAGES["params"]["deps"][-1] == "${params_file}" and STAGES["params"]["outs"] == ["${params_stamp}"]
+    assert not STAGES["params"].get("params")
+    for name, stage in STAGES.items():
+        assert name == "params" or "${params_stamp}" in stage["deps"], name

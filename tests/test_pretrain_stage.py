@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
 
+from stagelm.checkpoint import HASHES
 from stagelm.files import read_json
 from stagelm.modeldir import load_model
 
@@ -127,3 +128,32 @@ def test_bad_params_fail_before_compute(micro_data, tmp_path):
     result = run(command(micro_data, tmp_path), tmp_path, check=False)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: training.lr: expected a positive float, got 'fast'"
+
+
+def test_a_damaged_checkpoint_is_refused_and_an_unfinished_one_removed(micro_data, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params())  # checkpoints at steps 8 and 12 are kept
+    run(command(micro_data, tmp_path), tmp_path)
+    model = tree_bytes(tmp_path / "out/model")
+    (fp_dir,) = (tmp_path / "ckpt").iterdir()
+    last = fp_dir / "12"
+    biggest = max((p for p in last.rglob("*") if p.is_file() and p.name != HASHES), key=lambda p: p.stat().st_size)
+    original = biggest.read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x01
+    name = biggest.relative_to(last)
+    for damaged, what in ((bytes(flipped), "a flipped bit"), (original[: len(original) // 2], "truncated")):
+        biggest.write_bytes(damaged)
+        result = run(command(micro_data, tmp_path), tmp_path, check=False)
+        assert result.returncode == 2, what
+        (line,) = result.stderr.strip().splitlines()
+        assert line == (
+            f"error: {last}: checkpoint file {name} sha256 differs from the one saved (truncated or damaged); "
+            f"delete {last} to resume from the checkpoint before it, or {fp_dir} to start over"
+        ), what
+        assert tree_bytes(tmp_path / "out/model") == model  # nothing written
+    biggest.write_bytes(original)
+    (last / HASHES).unlink()  # as a run killed between Orbax's save and the hashes leaves it
+    resumed = run(command(micro_data, tmp_path), tmp_path)
+    assert f"checkpoint {last}: not finished saving when the run stopped; removed" in resumed.stdout
+    assert "resuming from step 8" in resumed.stdout
+    assert tree_bytes(tmp_path / "out/model") == model  # resumed ≡ uninterrupted

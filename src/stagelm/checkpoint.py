@@ -9,10 +9,18 @@ the sha256 of its inputs. A rerun resumes only from its own fingerprint's folder
 Each checkpoint holds the train state (params, optimizer state, step, RNG key), the
 data iterator's state and the metric history so far. Orbax keeps the latest
 `keep` checkpoints plus the best by validation loss.
+
+Once Orbax has finalised a step's folder, the sha256 of every file in it goes to
+`<step>/stagelm_sha256.json`; that file is the checkpoint's commit. A step folder
+without it was being written when the run stopped and is removed (said in the log) at
+the next start; one whose files differ from it (truncated, bit-flipped) is refused on
+restore in one line naming the folder to delete. Nothing is skipped silently: the run
+starts fresh only when the user deletes the fingerprint's folder.
 """
 
 import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +31,9 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 from stagelm.config import EXECUTION_KEYS
 from stagelm.errors import StagelmError
-from stagelm.files import sha256_file, sha256_tree
+from stagelm.files import read_json_object, sha256_file, sha256_tree, write_json
+
+HASHES = "stagelm_sha256.json"  # in each step folder: relative path → sha256 of every other file
 
 
 def loaded_code_files(script: str | Path) -> list[Path]:
@@ -58,10 +68,13 @@ def stage_fingerprint(script: str | Path, params_read: dict[str, Any], inputs: d
 
 
 class Checkpoints:
-    """An Orbax CheckpointManager for one fingerprint's folder."""
+    """An Orbax CheckpointManager for one fingerprint's folder, each step's files hashed."""
 
     def __init__(self, directory: str | Path, keep: int):
         self.directory = Path(directory).resolve()
+        if jax.process_index() == 0:
+            self.remove_unfinished()
+        sync("stagelm-checkpoints-open")
         policy = pp.AnyPreservationPolicy(
             [
                 pp.LatestN(keep),
@@ -79,6 +92,15 @@ class Checkpoints:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "extra"))
 
+    def remove_unfinished(self) -> None:
+        """Delete step folders that lack their hashes: the run stopped while saving them."""
+        if not self.directory.is_dir():
+            return
+        for step_dir in sorted(p for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()):
+            if not (step_dir / HASHES).is_file():
+                print(f"checkpoint {step_dir}: not finished saving when the run stopped; removed", flush=True)
+                shutil.rmtree(step_dir)
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
@@ -87,26 +109,67 @@ class Checkpoints:
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         self.manager.save(step, args=args, metrics=metrics, force=True)
         self.manager.wait_until_finished()
+        sync(f"stagelm-checkpoint-{step}")  # every process's files are written
+        if jax.process_index() == 0:
+            step_dir = self.directory / str(step)
+            write_json(step_dir / HASHES, file_hashes(step_dir))
+        sync(f"stagelm-checkpoint-{step}-hashed")
+
+    def verify(self, step: int) -> None:
+        """Fail unless every file of checkpoint `step` matches the hashes saved with it."""
+        step_dir = self.directory / str(step)
+        fix = f"delete {step_dir} to resume from the checkpoint before it, or {self.directory} to start over"
+        saved = read_json_object(step_dir / HASHES, fix)
+        found = file_hashes(step_dir)
+        for name in sorted(set(saved) | set(found)):
+            if name not in found:
+                problem = "missing"
+            elif name not in saved:
+                problem = "not saved with it"
+            elif found[name] != saved[name]:
+                problem = "sha256 differs from the one saved (truncated or damaged)"
+            else:
+                continue
+            raise StagelmError(f"{step_dir}: checkpoint file {name} {problem}; {fix}")
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        """(state laid out like `target`, with its shardings; the JSON extra) of checkpoint `step`.
+        """(state laid out like `target`, with its shardings; the JSON extra) of checkpoint `step`,
+        once its files match their hashes.
 
         Orbax reshards on restore, so a run may resume on another mesh or device count.
         """
+        self.verify(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore())
         try:
             restored = self.manager.restore(step, args=args)
-        except (ValueError, KeyError, TypeError) as err:
+        except Exception as err:  # Orbax and TensorStore raise many kinds; the folder is what the user acts on
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
             raise StagelmError(
-                f"{self.directory / str(step)}: cannot be restored onto this run's state and mesh "
-                f"({str(err).splitlines()[0][:160]}); resume with the mesh it was saved on, or delete "
-                f"{self.directory} to start over"
+                f"{self.directory / str(step)}: cannot be restored onto this run's state and mesh ({first}); "
+                f"resume with the mesh it was saved on, or delete {self.directory} to start over"
             ) from None
         return restored["state"], restored["extra"]
 
     def close(self) -> None:
         self.manager.close()
+
+
+def file_hashes(step_dir: Path) -> dict[str, str]:
+    """sha256 of every file under a step folder but the hashes file itself, by relative path."""
+    return {
+        str(p.relative_to(step_dir)): sha256_file(p)
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file() and p.name != HASHES
+    }
+
+
+def sync(name: str) -> None:
+    """A barrier across the run's processes (none for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def other_fingerprints(root: str | Path, current: str) -> list[str]:

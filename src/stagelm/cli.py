@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from stagelm.config import SECTIONS, load_section, load_seed, read_params
+from stagelm.config import SECTIONS, load_section, read_params, validate_params
 from stagelm.errors import StagelmError, run_main
-from stagelm.files import read_json, sha256_file
+from stagelm.files import read_json_object, sha256_file
 
 
 def pipeline_vars(pipeline: Path) -> dict[str, str]:
@@ -38,34 +38,53 @@ def pipeline_vars(pipeline: Path) -> dict[str, str]:
     return merged
 
 
-def check_manifest_files(directory: Path, entries: list[dict]) -> int:
+def check_manifest_files(directory: Path, key: str, producer: str) -> dict:
+    """The manifest of a data folder, after checking that it exists, that every file it
+    lists has its sha256 and that no shard it does not list lies beside them."""
+    fix = f"run `dvc repro {producer}`, or `dvc checkout --force {directory}` to restore the last one"
+    manifest_path = directory / "manifest.json"
+    if not manifest_path.is_file():
+        raise StagelmError(f"{directory}: no manifest.json, so its files are not a finished {producer}; {fix}")
+    manifest = read_json_object(manifest_path, fix)
+    entries = manifest.get(key)
+    entries = list(entries.values()) if isinstance(entries, dict) else entries
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and "file" in e and "sha256" in e for e in entries):
+        raise StagelmError(f"{manifest_path}: no `{key}` list of files with sha256; {fix}")
     for entry in entries:
         path = directory / entry["file"]
         if not path.is_file():
-            raise StagelmError(f"{path}: listed in {directory / 'manifest.json'} but missing; run `dvc checkout`")
+            raise StagelmError(f"{path}: listed in {manifest_path} but missing; {fix}")
         if sha256_file(path) != entry["sha256"]:
-            raise StagelmError(f"{path}: sha256 differs from {directory / 'manifest.json'}; run `dvc checkout`")
-    return len(entries)
+            raise StagelmError(f"{path}: sha256 differs from {manifest_path}; {fix}")
+    listed = {e["file"] for e in entries}
+    unlisted = sorted(p.name for p in directory.glob("*.arrow") if p.name not in listed)
+    if unlisted:
+        raise StagelmError(f"{directory}: shards {unlisted[:3]} are not in its manifest.json (a pack stopped?); {fix}")
+    return manifest
 
 
 def check(args: argparse.Namespace) -> None:
     params = read_params(args.params)
-    load_seed(params)
-    for name in SECTIONS:
-        load_section(params, name)
+    sections = validate_params(params)
     from stagelm.tasks import require_families
 
-    require_families(load_section(params, "grpo").families, "grpo.families")
+    require_families(sections["grpo"].families, "grpo.families")
     print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
     paths = pipeline_vars(Path(args.pipeline))
     raw = Path(paths.get("raw_dir", "data/raw"))
-    if (raw / "manifest.json").is_file():
-        n = check_manifest_files(raw, list(read_json(raw / "manifest.json")["files"].values()))
+    if raw.is_dir():
+        n = len(check_manifest_files(raw, "files", "download")["files"])
         print(f"ok: {raw}: {n} files match manifest.json")
+    tokenizer = Path(paths.get("tokenizer_dir", "data/tokenizer")) / "tokenizer.json"
     packed = Path(paths.get("packed_dir", "data/packed"))
-    for manifest in sorted(packed.glob("*/manifest.json")):
-        n = check_manifest_files(manifest.parent, read_json(manifest)["shards"])
-        print(f"ok: {manifest.parent}: {n} shards match manifest.json")
+    for split in sorted(p for p in packed.iterdir() if p.is_dir()) if packed.is_dir() else []:
+        manifest = check_manifest_files(split, "shards", "pack")
+        if tokenizer.is_file() and manifest.get("tokenizer_sha256") != sha256_file(tokenizer):
+            raise StagelmError(
+                f"{split}: packed with another tokenizer than {tokenizer}; run `dvc repro pack`, "
+                f"or `dvc checkout --force {packed} {tokenizer.parent}` to restore a matching pair"
+            )
+        print(f"ok: {split}: {len(manifest['shards'])} shards match manifest.json")
 
 
 def launch(args: argparse.Namespace) -> None:
@@ -130,16 +149,8 @@ def deps(args: argparse.Namespace) -> None:
 
 def export_hf(args: argparse.Namespace) -> None:
     from stagelm.hf import export_hf
-    from stagelm.modeldir import PARAMS_FILE
 
-    target = args.out_dir
-    if target.exists() and not target.is_dir():
-        raise StagelmError(f"{target}: a file, not a folder; give export-hf a new or empty folder to write")
-    if target.resolve() == args.model_dir.resolve():
-        raise StagelmError(f"{target}: is the model being exported; give export-hf another folder")
-    if (target / PARAMS_FILE).is_file() or (target / "params").is_dir():
-        raise StagelmError(f"{target}: holds a stagelm model, which the export would overwrite; give another folder")
-    out = export_hf(args.model_dir, args.out_dir)
+    out = export_hf(args.model_dir, args.out_dir)  # refuses its source, a file, or a folder of other files
     print(f"export-hf: {args.model_dir} → {out} (LlamaForCausalLM; model.safetensors, tokenizer, chat template)")
 
 
@@ -147,11 +158,18 @@ def import_hf(args: argparse.Namespace) -> None:
     from stagelm.hf import import_hf
     from stagelm.model import count_params
     from stagelm.modeldir import save_model
+    from stagelm.tokenizer import read_tokenizer_file
 
     tokenizer = args.hf_dir / "tokenizer.json"
     if not tokenizer.is_file():
         raise StagelmError(f"{tokenizer}: missing; the checkpoint needs a fast tokenizer's tokenizer.json")
+    tok = read_tokenizer_file(tokenizer, "the checkpoint needs a fast tokenizer's tokenizer.json")
     model, context = import_hf(args.hf_dir)
+    if tok.get_vocab_size() > model.cfg.vocab_size:
+        raise StagelmError(
+            f"{tokenizer}: {tok.get_vocab_size():,} tokens, more than the model's vocab_size "
+            f"{model.cfg.vocab_size:,}; give the checkpoint's own tokenizer"
+        )
     save_model(args.out_dir, model, tokenizer, {"params_count": count_params(model), "context_len": context})
     print(f"import-hf: {args.hf_dir} → {args.out_dir} ({count_params(model):,} params, context {context})")
 

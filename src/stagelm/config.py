@@ -14,6 +14,7 @@ sections they read.
 """
 
 import dataclasses
+import difflib
 import shlex
 import types
 import typing
@@ -364,6 +365,28 @@ def read_params(path: str | Path) -> dict[str, Any]:
     return params
 
 
+def did_you_mean(name: Any, known: Any) -> str:
+    """` (did you mean 'x'?)` for the closest of `known` to a misspelled `name`, or ""."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+TOP_LEVEL = ("seed", *SECTIONS)  # every key params.yaml may hold at its top level
+
+
+def validate_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Every key of params.yaml checked (unknown top-level keys too): the seed and each
+    section's dataclass, by name. The `params` stage runs this before any other stage,
+    so a misspelled key fails `dvc repro` even where a stage lists its keys one by one."""
+    for key in params:
+        if key not in TOP_LEVEL:
+            raise StagelmError(
+                f"{key}: unknown top-level key of params.yaml{did_you_mean(key, TOP_LEVEL)}; "
+                f"expected {', '.join(TOP_LEVEL)}"
+            )
+    return {"seed": load_seed(params), **{name: load_section(params, name) for name in SECTIONS}}
+
+
 def load_section(params: dict[str, Any], name: str) -> Any:
     """The typed, validated dataclass of section `name` of `params`."""
     if name not in params:
@@ -394,7 +417,9 @@ def parse_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     for key in raw:
         if key not in fields:
-            raise StagelmError(f"{prefix}.{key}: unknown key; expected one of {', '.join(fields)}")
+            raise StagelmError(
+                f"{prefix}.{key}: unknown key{did_you_mean(key, fields)}; expected one of {', '.join(fields)}"
+            )
     values = {}
     for name, field in fields.items():
         if name not in raw:

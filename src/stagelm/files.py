@@ -7,6 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from stagelm.errors import StagelmError
+
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file and a rename, so readers never see half a file."""
@@ -30,6 +32,19 @@ def write_json(path: str | Path, obj: Any) -> None:
 def read_json(path: str | Path) -> Any:
     with open(path) as f:
         return json.load(f)
+
+
+def read_json_object(path: str | Path, fix: str) -> dict[str, Any]:
+    """The JSON object in `path`, or one line naming the file, what is wrong and `fix`."""
+    try:
+        obj = read_json(path)
+    except FileNotFoundError:
+        raise StagelmError(f"{path}: missing; {fix}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise StagelmError(f"{path}: not valid JSON ({str(err)[:80]}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise StagelmError(f"{path}: expected a JSON object, got {type(obj).__name__}; {fix}")
+    return obj
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from stagelm.errors import StagelmError
-from stagelm.files import read_json, write_json
+from stagelm.files import read_json_object, write_json
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.tokenizer import ASSISTANT, BOS, END, EOS, PAD, USER
 
@@ -96,13 +96,34 @@ def hf_config(cfg: DecoderConfig, context: int, special: dict[str, int]) -> dict
     }
 
 
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def check_export_target(model_dir: Path, out_dir: Path) -> None:
+    """Refuse an export target that is a file, the model itself or inside it, or a folder
+    holding anything but a previous export's files (which the export replaces)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise StagelmError(f"{out_dir}: a file, not a folder; give export-hf a new or empty folder to write")
+    if out_dir.resolve() == model_dir.resolve() or out_dir.resolve().is_relative_to(model_dir.resolve()):
+        raise StagelmError(f"{out_dir}: is (or is inside) the model being exported; give export-hf another folder")
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in EXPORT_FILES) if out_dir.is_dir() else []
+    if others:
+        raise StagelmError(
+            f"{out_dir}: holds {others[:3]}, not only a previous export; give export-hf a new or empty folder"
+        )
+
+
 def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the transformers Llama checkpoint of stagelm model `model_dir` into `out_dir`."""
+    """Write the transformers Llama checkpoint of stagelm model `model_dir` into `out_dir`.
+
+    The files go to a temporary folder beside `out_dir`, which then replaces it: a failed
+    or killed export leaves the previous one (or none) and never half of one."""
     from safetensors.numpy import save_file
 
     from stagelm.modeldir import load_model, read_model_context
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_export_target(model_dir, out_dir)
     model = load_model(model_dir)
     if model.cfg.lora_rank:
         raise StagelmError(f"{model_dir}: holds unmerged LoRA adapters; export the merged model (runs/sft/model)")
@@ -113,33 +134,45 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
         raise StagelmError(
             f"{model_dir / 'tokenizer.json'}: lacks the special tokens {missing}; not a stagelm tokenizer"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
     context = read_model_context(model_dir)
-    save_file(hf_tensors(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    write_json(out_dir / "config.json", hf_config(model.cfg, context, special))
-    generation = {
-        "bos_token_id": special[BOS],
-        "eos_token_id": [special[EOS], special[END]],
-        "pad_token_id": special[PAD],
-    }
-    write_json(out_dir / "generation_config.json", generation)
-    shutil.copyfile(model_dir / "tokenizer.json", out_dir / "tokenizer.json")
-    write_json(
-        out_dir / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "pad_token": PAD,
-            "additional_special_tokens": [USER, ASSISTANT, END],
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": context,
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = (out_dir.with_name(f".{out_dir.name}.{what}") for what in ("export-tmp", "export-old"))
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(hf_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", hf_config(model.cfg, context, special))
+        generation = {
+            "bos_token_id": special[BOS],
+            "eos_token_id": [special[EOS], special[END]],
+            "pad_token_id": special[PAD],
+        }
+        write_json(tmp / "generation_config.json", generation)
+        shutil.copyfile(model_dir / "tokenizer.json", tmp / "tokenizer.json")
+        write_json(tmp / "tokenizer_config.json", tokenizer_config(context))
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def tokenizer_config(context: int) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [USER, ASSISTANT, END],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context,
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 UNSUPPORTED = {  # config.json field → the only value stagelm's decoder has
@@ -150,33 +183,69 @@ UNSUPPORTED = {  # config.json field → the only value stagelm's decoder has
 }
 
 
+# The integer fields import reads, with the largest value accepted: far above any released
+# Llama, and low enough that a wrong value fails here instead of in a huge allocation.
+HF_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "intermediate_size": 1 << 20,
+    "max_position_embeddings": 1 << 20,
+}
+
+
+def hf_int(c: dict[str, Any], field: str, path: Path, default: int | None = None) -> int:
+    value = c.get(field, default)
+    if value is None:
+        raise StagelmError(f"{path}: {field} missing; a Llama config.json needs it")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= HF_LIMITS[field]:
+        raise StagelmError(f"{path}: {field} = {value!r}; expected an integer in [1, {HF_LIMITS[field]:,}]")
+    return value
+
+
+def hf_float(c: dict[str, Any], field: str, path: Path, default: float) -> float:
+    value = c.get(field, default)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise StagelmError(f"{path}: {field} = {value!r}; expected a positive number")
+    return float(value)
+
+
 def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
-    """(stagelm DecoderConfig, context length) of a transformers Llama config.json, or one line why not."""
+    """(stagelm DecoderConfig, context length) of a transformers Llama config.json, or one
+    line why not: every field used is type- and range-checked (HF_LIMITS) before anything
+    is allocated."""
     path = hf_dir / "config.json"
-    if not path.is_file():
-        raise StagelmError(f"{path}: missing; hf:<dir> must be a local transformers checkpoint directory")
-    c = read_json(path)
+    c = read_json_object(path, "hf:<dir> must be a local transformers checkpoint directory")
     if c.get("model_type") != "llama":
         raise StagelmError(f"{path}: model_type {c.get('model_type')!r}; stagelm imports 'llama' checkpoints only")
     for field, value in UNSUPPORTED.items():
         if c.get(field, value) != value:
             raise StagelmError(f"{path}: {field} = {c[field]!r} is not supported (stagelm's decoder has {value!r})")
-    d, h = c["hidden_size"], c["num_attention_heads"]
+    d, h = hf_int(c, "hidden_size", path), hf_int(c, "num_attention_heads", path)
+    k = hf_int(c, "num_key_value_heads", path, default=h)
+    if d % h:
+        raise StagelmError(f"{path}: num_attention_heads {h} does not divide hidden_size {d}")
+    if h % k:
+        raise StagelmError(f"{path}: num_key_value_heads {k} does not divide num_attention_heads {h}")
+    if (d // h) % 2:
+        raise StagelmError(f"{path}: hidden_size / num_attention_heads = {d // h} must be even for RoPE")
     if c.get("head_dim", d // h) != d // h:
-        raise StagelmError(f"{path}: head_dim {c['head_dim']} differs from hidden_size / num_attention_heads")
+        raise StagelmError(f"{path}: head_dim {c['head_dim']!r} differs from hidden_size / num_attention_heads")
     cfg = DecoderConfig(
-        vocab_size=c["vocab_size"],
+        vocab_size=hf_int(c, "vocab_size", path),
         d_model=d,
-        n_layers=c["num_hidden_layers"],
+        n_layers=hf_int(c, "num_hidden_layers", path),
         n_heads=h,
-        n_kv_heads=c.get("num_key_value_heads", h),
-        d_ff=c["intermediate_size"],
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=k,
+        d_ff=hf_int(c, "intermediate_size", path),
+        rope_theta=hf_float(c, "rope_theta", path, 10000.0),
+        norm_eps=hf_float(c, "rms_norm_eps", path, 1e-6),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        init_std=float(c.get("initializer_range", 0.02)),
+        init_std=hf_float(c, "initializer_range", path, 0.02),
     )
-    return cfg, int(c.get("max_position_embeddings", 2048))
+    return cfg, hf_int(c, "max_position_embeddings", path, default=2048)
 
 
 def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any) -> tuple[Decoder, int]:
@@ -187,6 +256,7 @@ def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any
     `settings` are DecoderConfig fields that do not change the weights (dtype,
     param_dtype, remat).
     """
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     hf_dir = Path(hf_dir)
@@ -198,7 +268,10 @@ def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any
         raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
-        tensors.update(load_file(str(file)))
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise StagelmError(f"{file}: not a readable safetensors file ({str(err)[:80]})") from None
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
 
     def get(name: str) -> np.ndarray:

@@ -44,10 +44,13 @@ def verify_shards(split_dir: str | Path, manifest: dict[str, Any]) -> None:
         path = Path(split_dir) / shard["file"]
         if not path.is_file():
             raise StagelmError(
-                f"{path}: shard listed in manifest.json is missing; run `dvc checkout` or `dvc repro pack`"
+                f"{path}: shard listed in manifest.json is missing; run `dvc checkout --force {split_dir}` "
+                "or `dvc repro pack`"
             )
         if sha256_file(path) != shard["sha256"]:
-            raise StagelmError(f"{path}: sha256 differs from manifest.json (corrupt or edited); run `dvc checkout`")
+            raise StagelmError(
+                f"{path}: sha256 differs from manifest.json (corrupt or edited); run `dvc checkout --force {split_dir}`"
+            )
 
 
 class PackedRows:

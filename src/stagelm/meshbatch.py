@@ -10,8 +10,22 @@ from typing import Any
 import jax
 import numpy as np
 
+from stagelm.errors import StagelmError
 from stagelm.loader import PackedRows, batch_iterator
 from stagelm.sharding import batch_sharding
+
+
+def check_batch(rows: int, mesh: jax.sharding.Mesh, key: str) -> None:
+    """Fail naming `key` unless `rows` (a global batch) splits evenly over the mesh's
+    data-parallel devices (its data × fsdp axes) and over the processes."""
+    ways = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    if rows % ways:
+        raise StagelmError(
+            f"{key}: {rows} rows do not split over the mesh's {ways} data-parallel devices "
+            f"(mesh.data × mesh.fsdp = {dict(mesh.shape)}); give a multiple of {ways}, or set the mesh"
+        )
+    if rows % jax.process_count():
+        raise StagelmError(f"{key}: {rows} rows do not split over {jax.process_count()} processes")
 
 
 def global_batch(local: dict[str, np.ndarray], accum: int, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:

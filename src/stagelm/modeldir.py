@@ -3,7 +3,9 @@
 This directory is what every model stage writes and what downstream stages, the
 eval and `stagelm generate` load. It holds parameters only (no optimizer state),
 the resolved decoder config with its vocab size, and a copy of the tokenizer the
-model was trained with (its sha256 is in config.json).
+model was trained with. config.json records the sha256 of the params file and of the
+tokenizer at save time, and a model loads only when both still match: a flipped bit
+or a swapped tokenizer.json (same size, ids permuted) is refused in one line, never used.
 
 The params are one safetensors file, tensors named by their path in the model
 (`blocks/0/attn/q/w`), so the same weights always give the same bytes: DVC sees an
@@ -14,8 +16,10 @@ each array onto the mesh. Training checkpoints (`runs/.checkpoints`) stay Orbax:
 sharded, asynchronous, resumable.
 """
 
+import dataclasses
 import json
 import shutil
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from stagelm.config import POSITIVE, check_value, one_of
 from stagelm.errors import StagelmError
-from stagelm.files import atomic_write_bytes, read_json, sha256_file, write_json
+from stagelm.files import atomic_write_bytes, read_json_object, sha256_file, write_json
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.sharding import param_shardings
 
@@ -84,35 +89,82 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
 def save_model(
     out_dir: str | Path, model: Decoder, tokenizer_file: str | Path, extra: dict[str, Any] | None = None
 ) -> None:
-    """Write params, config.json and the tokenizer into `out_dir` (every process takes part)."""
+    """Write params, config.json and the tokenizer into `out_dir` (every process takes part);
+    config.json, written last, holds the hashes `load_model` checks."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_tensors(out_dir / PARAMS_FILE, nnx.state(model, nnx.Param))
     if jax.process_index() == 0:
         shutil.copyfile(tokenizer_file, out_dir / "tokenizer.json")
-        config = {**model.cfg.__dict__, "tokenizer_sha256": sha256_file(tokenizer_file), **(extra or {})}
-        write_json(out_dir / "config.json", config)
+        hashes = {"params_sha256": sha256_file(out_dir / PARAMS_FILE), "tokenizer_sha256": sha256_file(tokenizer_file)}
+        write_json(out_dir / "config.json", {**model.cfg.__dict__, **hashes, **(extra or {})})
+
+
+# config.json fields that are not DecoderConfig's own, with their checks.
+DTYPE = one_of("float32", "bfloat16", "float16")
+FIELD_CHECKS = {"vocab_size": POSITIVE, "dtype": DTYPE, "param_dtype": DTYPE, "remat": one_of("none", "block")}
+
+
+def model_config_json(model_dir: str | Path) -> dict[str, Any]:
+    return read_json_object(
+        Path(model_dir) / "config.json", f"{model_dir} is not a stagelm model directory (rerun the stage that wrote it)"
+    )
 
 
 def read_model_config(model_dir: str | Path) -> DecoderConfig:
+    """The DecoderConfig of config.json, every field type- and range-checked (one line naming the field)."""
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise StagelmError(f"{path}: missing; {model_dir} is not a stagelm model directory (run its stage)")
-    return DecoderConfig.from_dict(read_json(path))
+    raw = model_config_json(model_dir)
+    hints = typing.get_type_hints(DecoderConfig)
+    values = {}
+    for field in dataclasses.fields(DecoderConfig):
+        if field.name not in raw:
+            if field.default is dataclasses.MISSING:
+                raise StagelmError(f"{path}: {field.name} missing; not a stagelm model config (rerun its stage)")
+            continue
+        hint = list[str] if field.name == "lora_targets" else hints[field.name]
+        check = field.metadata.get("check") or FIELD_CHECKS.get(field.name)
+        values[field.name] = check_value(raw[field.name], hint, f"{path}: {field.name}", check)
+    cfg = DecoderConfig(**values)
+    try:
+        cfg.validate("model")
+    except StagelmError as err:
+        raise StagelmError(f"{path}: {err}") from None
+    return cfg
 
 
 def read_model_context(model_dir: str | Path) -> int:
     """The context length the model was trained with (the KV cache size generation uses by default)."""
-    return int(read_json(Path(model_dir) / "config.json")["context_len"])
+    path = Path(model_dir) / "config.json"
+    return check_value(model_config_json(model_dir).get("context_len"), int, f"{path}: context_len", POSITIVE)
+
+
+def verify_model_files(model_dir: Path) -> None:
+    """Refuse a model whose params or tokenizer differ from the sha256 config.json recorded at save time."""
+    raw = model_config_json(model_dir)
+    for name, key in ((PARAMS_FILE, "params_sha256"), ("tokenizer.json", "tokenizer_sha256")):
+        path = model_dir / name
+        if not path.is_file():
+            raise StagelmError(
+                f"{path}: missing; restore it with `dvc checkout --force {model_dir}` or rerun its stage"
+            )
+        if not isinstance(raw.get(key), str):
+            raise StagelmError(
+                f"{model_dir / 'config.json'}: no {key}, so {name} cannot be verified; rerun the stage that wrote it"
+            )
+        if sha256_file(path) != raw[key]:
+            raise StagelmError(
+                f"{path}: sha256 differs from config.json's {key} (changed or damaged since it was saved); "
+                f"restore it with `dvc checkout --force {model_dir}` or rerun its stage"
+            )
 
 
 def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> Decoder:
     """The Decoder saved in `model_dir`, its params sharded over `mesh` by their logical axes when given."""
     model_dir = Path(model_dir).resolve()
     cfg = read_model_config(model_dir)
+    verify_model_files(model_dir)
     params_file = model_dir / PARAMS_FILE
-    if not params_file.is_file():
-        raise StagelmError(f"{params_file}: missing; rerun the stage that writes {model_dir}")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     if mesh is not None:

@@ -56,7 +56,9 @@ def raw_file(raw_dir: str | Path, name: str) -> Path:
         raise StagelmError(f"{manifest_path}: lists no {name!r} file; rerun `dvc repro download`")
     path = raw_dir / entry["file"]
     if not path.is_file():
-        raise StagelmError(f"{path}: missing; run `dvc checkout` or `dvc repro download`")
+        raise StagelmError(f"{path}: missing; run `dvc checkout --force {raw_dir}` or `dvc repro download`")
     if sha256_file(path) != entry["sha256"]:
-        raise StagelmError(f"{path}: sha256 differs from {manifest_path} (corrupt or edited); run `dvc checkout`")
+        raise StagelmError(
+            f"{path}: sha256 differs from {manifest_path} (corrupt or edited); run `dvc checkout --force {raw_dir}`"
+        )
     return path

@@ -31,7 +31,7 @@ from stagelm.distributed import initialize
 from stagelm.errors import StagelmError
 from stagelm.hardware import describe_devices
 from stagelm.loader import MixedRows, PackedRows, batch_iterator
-from stagelm.meshbatch import evaluate, global_batch
+from stagelm.meshbatch import check_batch, evaluate, global_batch
 from stagelm.metrics import MetricLog
 from stagelm.sharding import make_mesh, param_shardings, replicated
 from stagelm.stage import Stage, start
@@ -150,10 +150,8 @@ def train(
     `train_rows` through Grain) gives the training batches. `cfg` is a stage's section
     (training, sft, distill or grpo) with its `batch_size` and `grad_accum`; errors name its keys.
     """
-    if cfg.batch_size % jax.process_count():
-        raise StagelmError(
-            f"{cfg.section}.batch_size: {cfg.batch_size} does not split over {jax.process_count()} processes"
-        )
+    batch_key = "grpo.prompts_per_step" if cfg.section == "grpo" else f"{cfg.section}.batch_size"
+    check_batch(cfg.batch_size, mesh, batch_key)  # before any compile: one line, not JAX's IndivisibleError
     with jax.set_mesh(mesh):
         graphdef, params, frozen, p_sh = shard_state(model, trainable, mesh)
         tx = make_optimizer(cfg, params)
@@ -197,7 +195,7 @@ def train(
                 kept = ckpt.latest_step()
                 raise StagelmError(
                     f"training: loss is {loss} at step {step}; last good checkpoint: "
-                    f"{'step ' + str(kept) if kept is not None else 'none'} in {ckpt.directory}; lower training.lr"
+                    f"{'step ' + str(kept) if kept is not None else 'none'} in {ckpt.directory}; lower {cfg.section}.lr"
                 )
             row = {
                 "step": step,

@@ -26,7 +26,16 @@ from stagelm.tasks.family import Family, Task, first_sentence
 REGISTRY: dict[str, Family] = {f.name: f for f in (arithmetic.FAMILY, uses_word.FAMILY, word_limit.FAMILY)}
 FAMILIES = tuple(REGISTRY)
 
-__all__ = ["FAMILIES", "REGISTRY", "Family", "Task", "check_answer", "first_sentence", "require_families"]
+__all__ = [
+    "FAMILIES",
+    "REGISTRY",
+    "Family",
+    "Task",
+    "check_answer",
+    "first_sentence",
+    "require_families",
+    "spec_problem",
+]
 
 
 def check_answer(family: str, spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
@@ -41,3 +50,18 @@ def require_families(names: list[str] | tuple[str, ...], key: str) -> None:
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise StagelmError(f"{key}: unknown {unknown}; choose among {list(FAMILIES)}")
+
+
+def spec_problem(family: str, spec: Any) -> str | None:
+    """What keeps `family`'s checker from grading a task with `spec` (naming the field), or None."""
+    schema = REGISTRY[family].spec_schema
+    if not isinstance(spec, dict):
+        return f"spec: expected a JSON object with {sorted(schema)}, got {spec!r}"
+    for key, kind in schema.items():
+        if key not in spec:
+            return f"spec.{key}: missing; the {family} checker needs {sorted(schema)}"
+        value = spec[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is str and not value.strip()):
+            what = "an integer" if kind is int else "a non-empty string"
+            return f"spec.{key}: expected {what}, got {value!r}"
+    return None

@@ -51,4 +51,6 @@ def sheet(rng: random.Random, pool: list[Problem]) -> str:
     return "\n".join(t.prompt + t.answer for t in lines)
 
 
-FAMILY = Family("arithmetic", problems, ask, check, sft_share=0.7, corpus=sheet, corpus_share=0.40)
+FAMILY = Family(
+    "arithmetic", problems, ask, check, sft_share=0.7, corpus=sheet, corpus_share=0.40, spec_schema={"answer": int}
+)

@@ -38,6 +38,9 @@ class Family:
     sft_share: float = 0.0
     corpus: Callable[[random.Random, list[Problem]], str] | None = None  # a document from the training pool
     corpus_share: float = 0.0  # of the corpus documents
+    # The keys `check` reads from a task's spec and their JSON types: task files
+    # (data.rl_files, data.eval_files) are validated against it row by row.
+    spec_schema: dict[str, type] = dataclasses.field(default_factory=dict)
 
 
 def first_sentence(completion: str) -> str:

@@ -73,4 +73,13 @@ def sheet(rng: random.Random, pool: list[Problem]) -> str:
     return "\n".join(t.prompt + t.answer for t in lines)
 
 
-FAMILY = Family("uses_word", problems, ask, check, sft_share=0.3, corpus=sheet, corpus_share=0.15)
+FAMILY = Family(
+    "uses_word",
+    problems,
+    ask,
+    check,
+    sft_share=0.3,
+    corpus=sheet,
+    corpus_share=0.15,
+    spec_schema={"word": str, "max_words": int},
+)

@@ -69,4 +69,4 @@ def check(spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
     return well_formed, well_formed and len(words) <= spec["max_words"]
 
 
-FAMILY = Family("word_limit", problems, ask, check)
+FAMILY = Family("word_limit", problems, ask, check, spec_schema={"max_words": int})
