@@ -10,6 +10,7 @@ import time
 
 import pytest
 import yaml
+from browser import CHROMIUM, NEEDS, Browser
 from conftest import env_with_venv, make_project, micro_params, run, write_params
 
 from stagelm.checkpoint import HASHES
@@ -231,6 +232,7 @@ def test_experiment_runs_and_compares(project):
     run(["dvc", "plots", "diff", "HEAD", "lr1e2", "-o", "plots_diff"], project)
     page = (project / "plots_diff/index.html").read_text()
     assert "lr1e2" in page and "HEAD" in page and "runs/pretrain/plots/metrics/train/loss.tsv" in page
+    assert "cdn.jsdelivr" not in page and "/* vega 5.33.1 */" in page
 
 
 def test_bad_experiment_fails_at_once_with_the_params_line(project):
@@ -287,6 +289,23 @@ def test_plots_page_has_the_loss_curves(project):
     run(["dvc", "plots", "show", "-o", "plots_page"], project)
     page = (project / "plots_page/index.html").read_text()
     assert "runs/pretrain/plots/metrics/train/loss.tsv" in page and "runs/sft/plots/metrics/val/loss.tsv" in page
+    assert "cdn.jsdelivr" not in page and "/* vega-embed 6.29.0 */" in page  # plots/offline.html, not DVC's CDN page
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NEEDS)
+def test_the_plots_page_draws_the_pretrain_loss_with_no_network(project, tmp_path):
+    run(["dvc", "plots", "show", "-o", "plots_page"], project)
+    page = (project / "plots_page/index.html").as_uri()
+    browser = Browser(tmp_path / "profile")
+    try:
+        browser.open(page)
+        line = "document.querySelector('#runs_pretrain_plots_metrics_train_loss_tsv svg .mark-line path')"
+        drawn = browser.wait_for(f"{line} && {line}.getAttribute('d')")
+        assert drawn.count("L") == micro_params()["training"]["steps"] - 1  # a line through every step's loss
+        browser.screenshot(tmp_path / "plots.png")
+        assert browser.requests == [page]  # the page asked for nothing but itself
+    finally:
+        browser.close()
 
 
 def test_ctrl_c_stops_every_stage_process_and_the_next_repro_recovers(project):

@@ -9,6 +9,9 @@ stagelm launch <stage command>
     wrapper such as `srun --nodes=2 --ntasks-per-node=4` starts it on every task and
     blocks until they all end, so `dvc repro` on the head node waits for the job.
     `launch` is an execution setting: no stage lists it, so it reruns nothing.
+stagelm serve <model dir> [--host 127.0.0.1] [--port 8000]
+    an OpenAI-compatible server (chat and text completions, streamed or not) with a
+    chat page at /, on the KV-cache engine (see stagelm.serve).
 stagelm deps stages/<stage>.py
     print the code deps and params of that stage as dvc.yaml should list them (the
     pipeline test checks dvc.yaml against the same computation).
@@ -174,6 +177,14 @@ def import_hf(args: argparse.Namespace) -> None:
     print(f"import-hf: {args.hf_dir} → {args.out_dir} ({count_params(model):,} params, context {context})")
 
 
+def serve(args: argparse.Namespace) -> None:
+    from stagelm.serve import serve
+
+    if args.slots < 1 or args.queue < 0:
+        raise StagelmError("--slots: expected at least 1 (and --queue at least 0)")
+    serve(args.model_dir, args.host, args.port, args.slots, args.queue, args.name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="stagelm", description="stagelm: what DVC does not do")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -209,6 +220,14 @@ def main() -> None:
     ex.add_argument("model_dir", type=Path)
     ex.add_argument("out_dir", type=Path)
     ex.set_defaults(func=export_hf)
+    sv = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
+    sv.add_argument("model_dir", type=Path)
+    sv.add_argument("--host", default="127.0.0.1", help="loopback unless told otherwise")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--slots", type=int, default=16, help="requests decoded together")
+    sv.add_argument("--queue", type=int, default=64, help="requests waiting for a slot; beyond that 429")
+    sv.add_argument("--name", help="the model's name in the API (default: the directory as given)")
+    sv.set_defaults(func=serve)
     im = sub.add_parser("import-hf", help="read a local transformers Llama checkpoint into a model directory")
     im.add_argument("hf_dir", type=Path)
     im.add_argument("out_dir", type=Path)
