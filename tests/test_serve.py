@@ -135,6 +135,15 @@ def test_models_lists_the_served_model(trained):
     assert [m.id for m in trained.client().models.list()] == [NAME]
 
 
+def test_a_taken_port_fails_in_one_line_before_the_model_loads(trained, tmp_path):
+    result = run(["stagelm", "serve", str(tmp_path / "no-model"), "--port", str(trained.port)], tmp_path, check=False)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"error: --port {trained.port}: cannot listen on 127.0.0.1:{trained.port} (Address already in use); "
+        "choose another port\n"
+    )
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_greedy_answer_equals_stagelm_generate(trained, pretrained, kind):
     prompt = "What is 41 plus 17?" if kind == "chat" else "Once upon a time,"

@@ -21,6 +21,8 @@ OpenAI-style error object (`{"error": {"message", "type", "param", "code"}}`) an
 
 import asyncio
 import json
+import signal
+import socket
 import time
 import uuid
 from importlib import resources
@@ -409,7 +411,17 @@ def serve(model_dir: Path, host: str, port: int, slots: int, queue: int, name: s
         import uvicorn
     except ImportError:
         raise StagelmError("serve: needs the serve extra; pip install -e '.[serve]'") from None
+    with socket.socket() as probe:  # a taken port fails here, in one line, before the model loads
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            why = f"cannot listen on {host}:{port} ({err.strerror})"
+            raise StagelmError(f"--port {port}: {why}; choose another port") from None
     server = Server(model_dir, name or str(model_dir), slots, queue)
     server.warm_up()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again: let it
+    # end the process as usual (the stages' handler would print advice about checkpoints).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(f"serve: {model_dir} as {server.name!r} on http://{host}:{port} ({slots} slots, queue {queue})", flush=True)
     uvicorn.run(server.app(), host=host, port=port, log_level="warning")
