@@ -133,6 +133,9 @@ def streamed(server: Server, kind: str, **request) -> dict[int, tuple[str, str]]
 
 def test_models_lists_the_served_model(trained):
     assert [m.id for m in trained.client().models.list()] == [NAME]
+    assert trained.client().models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        trained.client().models.retrieve("gpt-4o")
 
 
 def test_a_taken_port_fails_in_one_line_before_the_model_loads(trained, tmp_path):

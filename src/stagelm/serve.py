@@ -4,7 +4,7 @@
 
 Routes (Starlette on uvicorn):
 
-- `GET /v1/models`: the one model served, named by its directory as given;
+- `GET /v1/models` (and `/v1/models/<name>`): the one model served, named by its directory as given;
 - `POST /v1/chat/completions`: `messages` of user and assistant turns in stagelm's chat
   template, answered as the assistant;
 - `POST /v1/completions`: a `prompt` string continued;
@@ -374,9 +374,16 @@ class Server:
 
         page = resources.files("stagelm").joinpath("chat.html").read_text()
 
+        entry = {"id": self.name, "object": "model", "created": self.created, "owned_by": "stagelm"}
+
         async def models(_: HttpRequest) -> JSONResponse:
-            entry = {"id": self.name, "object": "model", "created": self.created, "owned_by": "stagelm"}
             return JSONResponse({"object": "list", "data": [entry]})
+
+        async def model(http: HttpRequest) -> JSONResponse:
+            if http.path_params["name"] == self.name:
+                return JSONResponse(entry)
+            err = BadRequest(f"model: {http.path_params['name']!r} is not served here", "model", 404, "model_not_found")
+            return JSONResponse(error_body(err), status_code=404)
 
         async def chat(http: HttpRequest) -> Any:
             return await self.complete(http, chat=True)
@@ -398,6 +405,7 @@ class Server:
         routes = [
             Route("/", index),
             Route("/v1/models", models),
+            Route("/v1/models/{name:path}", model),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/stats", stats),
