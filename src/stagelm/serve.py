@@ -67,7 +67,7 @@ def field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     return value
 
 
-def settings(body: dict, capacity: int, slots: int, default_max: int) -> dict[str, Any]:
+def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
     """The sampling fields of a request, type- and range-checked."""
     max_tokens = field(body, "max_tokens", (int,), None)
     if max_tokens is None:
@@ -276,7 +276,7 @@ class Server:
             body = await self.body(http)
             prompt = chat_prompt(body, self.tokenizer) if chat else completion_prompt(body, self.tokenizer)
             default_max = self.engine.capacity if chat else 16
-            opts = settings(body, self.engine.capacity, self.engine.slots, default_max)
+            opts = settings(body, self.engine.slots, default_max)
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
                 opts["max_tokens"] = max(1, min(default_max, self.engine.capacity - len(prompt)))
             request, events = self.start(prompt, opts, chat)
@@ -289,6 +289,9 @@ class Server:
             chunks = self.stream(request, events, texts, meta, chat)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finishes = await self.collect(request, events, texts)
+        if "error" in finishes:  # the engine failed on this batch (its traceback is in the server's log)
+            err = BadRequest("the engine failed while decoding this request; see the server's log", status=500)
+            return JSONResponse(error_body(err), status_code=500)
         choices = []
         for i, (text, finish) in enumerate(zip(texts, finishes, strict=True)):
             whole = text.whole()
