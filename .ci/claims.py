@@ -11,8 +11,11 @@ import math
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import yaml
 from tokenizers import Tokenizer
+
+from stagelm.tasks import check_answer
 
 FAILED: list[str] = []
 
@@ -21,6 +24,11 @@ def claim(ok: bool, text: str) -> None:
     print(f"{'ok  ' if ok else 'FAIL'} {text}")
     if not ok:
         FAILED.append(text)
+
+
+def target(met: bool, text: str) -> None:
+    """A target of the default recipe (README) not yet shown on seeds 0, 1 and 2: printed, not gated."""
+    print(f"info  {text}: {'met' if met else 'NOT met'} (a target, gated once it holds on three seeds)")
 
 
 def load(path: str) -> dict:
@@ -57,6 +65,8 @@ def pretrain_claims(params: dict) -> None:
         m["val_loss"] < 0.5 * unigram,
         f"pretrain: val loss {m['val_loss']:.3f} nats is under half the unigram entropy {unigram:.3f} nats",
     )
+    worked = load("runs/eval/pretrain/metrics.json")["completion"]["arithmetic"]["accuracy"]
+    target(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
 
 
 def model_stages() -> list[str]:
@@ -86,15 +96,27 @@ def pooled(scores: dict, families: list[str]) -> tuple[float, float]:
 
 
 def sft_claims() -> None:
-    """SFT against pretraining on the families the SFT set teaches (word_limit is asked only in rl and eval)."""
+    """SFT against pretraining on the families the SFT set teaches (word_limit is asked only in rl and eval).
+
+    Pretraining already works sums out in the completion format (pretrain_claims); what SFT
+    adds is the chat format, without costing the language model."""
     pre, sft = load("runs/eval/pretrain/metrics.json"), load("runs/eval/sft/metrics.json")
     taught = sorted(load("data/raw/manifest.json")["families"]["sft"])
-    (a, a_se), (b, b_se) = pooled(sft["chat"], taught), pooled(pre[pre["accuracy_format"]], taught)
+    (a, a_se), (b, b_se) = pooled(sft["chat"], taught), pooled(pre["chat"], taught)
     se = math.sqrt(a_se**2 + b_se**2)
     claim(
         a - b >= 3 * se,
-        f"sft: chat accuracy on {taught} {a:.3f} beats pretrain's best format "
-        f"({pre['accuracy_format']}) {b:.3f} by {(a - b) / se:.1f} standard errors of the difference (>= 3)",
+        f"sft: chat accuracy on {taught} {a:.3f} beats pretrain's chat accuracy {b:.3f} "
+        f"by {(a - b) / se:.1f} standard errors of the difference (>= 3)",
+    )
+    best, _ = pooled(pre[pre["accuracy_format"]], taught)
+    print(f"info  sft: pretrain's best format ({pre['accuracy_format']}) on {taught}: {best:.3f}")
+    arithmetic = sft["chat"]["arithmetic"]["accuracy"]
+    target(arithmetic >= 0.90, f"sft: chat arithmetic {arithmetic:.3f} (>= 0.90)")
+    cost = sft["val_loss"] - pre["val_loss"]
+    target(
+        cost <= 0.25,
+        f"sft: corpus val loss {pre['val_loss']:.3f} → {sft['val_loss']:.3f} nats, {cost:+.3f} (<= +0.25)",
     )
 
 
@@ -122,10 +144,31 @@ def grpo_claims(params: dict) -> None:
         diff = a["accuracy"] - b["accuracy"]
         change = f"{b['accuracy']:.3f} → {a['accuracy']:.3f}, {diff / se if se else 0.0:+.1f} SE"
         if family in params["grpo"]["families"]:
-            # Not a claim: the gain held on seeds 0 and 2 but not on seed 1 (README, GRPO).
-            print(f"info  grpo: targeted {family} {change} (the issue asks >= +2 over 3 seeds; not met)")
+            constant_answer_claim(family)
+            target(diff >= 2 * se, f"grpo: targeted {family} {change} (>= +2)")
         else:
             claim(diff >= -se, f"grpo: holds sft's {family} ({change}; >= -1)")
+
+
+def constant_answer_claim(family: str) -> None:
+    """GRPO's most frequent greedy answer on `family`, given to every held-out prompt, passes at most 5%."""
+    specs = {
+        row["chat_prompt"]: json.loads(row["spec"])
+        for row in pq.read_table("data/raw/eval.parquet").to_pylist()
+        if row["family"] == family
+    }
+    answers = [
+        r["completion"]
+        for r in map(json.loads, Path("runs/eval/grpo/predictions.jsonl").read_text().splitlines())
+        if r["family"] == family and r["format"] == "chat"
+    ]
+    top = max(set(answers), key=answers.count)
+    share = sum(check_answer(family, spec, top)[1] for spec in specs.values()) / len(specs)
+    claim(
+        share <= 0.05,
+        f"grpo: its most frequent {family} answer ({answers.count(top)} of {len(answers)}: {top.strip()!r}) "
+        f"passes {share:.1%} of the held-out prompts when given to all (<= 5%)",
+    )
 
 
 def benchmark_claims() -> None:

@@ -1,9 +1,11 @@
 """sft stage: supervised fine-tuning of the pretrained model on chat data, full or LoRA.
 
     python stages/sft.py --params params.yaml --model runs/pretrain/model --train data/packed/sft \
-        --val data/packed/val --out runs/sft --checkpoints runs/.checkpoints/sft
+        --corpus data/packed/train --val data/packed/val --out runs/sft --checkpoints runs/.checkpoints/sft
 
-The loss counts only assistant tokens (the packed rows' loss_mask). With
+The loss counts only assistant tokens (the packed rows' loss_mask); with `sft.replay`
+above 0 that share of the rows are rows of the pretraining corpus (`--corpus`, every
+token counted), so the language model is kept while the chat format is learned. With
 `sft.method: lora` only the adapters train; `<out>/model/` is the merged, ordinary
 model and `<out>/adapter/` holds the adapter weights alone.
 """
@@ -15,7 +17,7 @@ from stagelm.checkpoint import stage_fingerprint
 from stagelm.config import load_section, load_seed, section_dict
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import sha256_tree, write_json
-from stagelm.loader import PackedRows
+from stagelm.loader import MixedRows, PackedRows
 from stagelm.lora import add_lora, merge_lora, save_adapter
 from stagelm.model import count_params
 from stagelm.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
@@ -23,7 +25,7 @@ from stagelm.trainloop import record_training, start_training, train
 
 
 def main() -> None:
-    stage, mesh = start_training(__doc__, "model", "train", "val", "out", "checkpoints")
+    stage, mesh = start_training(__doc__, "model", "train", "corpus", "val", "out", "checkpoints")
     args = stage.args
     cfg = load_section(stage.params, "sft")
     seed = load_seed(stage.params)
@@ -37,12 +39,23 @@ def main() -> None:
         )
     tokenizer = args.model / "tokenizer.json"
     rows.require_tokenizer(tokenizer)
+    if cfg.replay > 0:
+        corpus = PackedRows(args.corpus)
+        corpus.require_tokenizer(tokenizer)
+        wanted = round(len(rows) * cfg.replay / (1 - cfg.replay))
+        if wanted > len(corpus):
+            raise StagelmError(
+                f"sft.replay: {cfg.replay} asks {wanted} corpus rows beside {len(rows)} SFT rows, but "
+                f"{args.corpus} holds {len(corpus)}; lower it"
+            )
+        rows = MixedRows([rows, corpus], [None, wanted])
 
     read = {"sft": section_dict(cfg), "seed": seed}
     inputs = {
         "model": args.model / PARAMS_FILE,
         "train": args.train / "manifest.json",
         "val": args.val / "manifest.json",
+        **({"corpus": args.corpus / "manifest.json"} if cfg.replay > 0 else {}),
     }
     fp = stage_fingerprint(__file__, read, inputs)
 

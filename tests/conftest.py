@@ -56,7 +56,7 @@ MICRO = {
         "lr": 3e-3,
     },
     "eval": {"batch_size": 8, "task_batch_size": 32, "max_new_tokens": 12},
-    "sample": {"max_new_tokens": 16, "prompts": ["Once upon a time,", "41 plus 17 is"]},
+    "sample": {"max_new_tokens": 16, "prompts": ["Once upon a time,", "Work out 41 plus 17:"]},
     "sft": {
         "steps": 10,
         "batch_size": 8,

@@ -265,7 +265,16 @@ TASK_ROWS = [  # (task set, its lines, the words of the error)
     ("sft", [{**CHAT, "messages": [{"role": "user", "content": "x"}]}], "f.jsonl:1: messages: no assistant turn"),
     ("eval", [{**TASK, "spec": {}}], "f.jsonl:1: spec.answer: missing; the arithmetic checker needs ['answer']"),
     ("eval", [{**TASK, "spec": {"answer": "4"}}], "f.jsonl:1: spec.answer: expected an integer, got '4'"),
-    ("rl", [TASK, {**TASK, "family": "uses_word", "spec": {"word": "lamp"}}], "f.jsonl:2: spec.max_words: missing"),
+    (
+        "rl",
+        [TASK, {**TASK, "family": "uses_word", "spec": {"name": "Mia", "word": "lamp"}}],
+        "f.jsonl:2: spec.max_words: missing",
+    ),
+    (
+        "eval",
+        [{**TASK, "family": "word_limit", "spec": {"max_words": 4}}],
+        "f.jsonl:1: spec.name: missing; the word_limit checker needs ['max_words', 'name', 'place']",
+    ),
     ("rl", [{**TASK, "prompt": 7}], "f.jsonl:1: prompt: expected a non-empty string, got 7"),
     ("eval", [{**TASK, "family": "poetry"}], "f.jsonl:1: family: unknown 'poetry'"),
 ]

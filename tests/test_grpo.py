@@ -133,8 +133,8 @@ def policy(micro_data, tmp_path_factory):
     )
     run(
         [py, str(ROOT / "stages/sft.py"), "--params", "params.yaml", "--model", "pre/model"]
-        + ["--train", str(micro_data / "packed/sft"), "--val", str(micro_data / "packed/val")]
-        + ["--out", "sft", "--checkpoints", "ck_sft"],
+        + ["--train", str(micro_data / "packed/sft"), "--corpus", str(micro_data / "packed/train")]
+        + ["--val", str(micro_data / "packed/val"), "--out", "sft", "--checkpoints", "ck_sft"],
         work,
     )
     return work / "sft/model"

@@ -107,8 +107,8 @@ def test_import_of_a_transformers_llama_has_its_logits_then_fine_tunes(micro_dat
     write_params(tmp_path / "params.yaml", micro_params(sft={"steps": 4, "eval_every": 4, "checkpoint_every": 4}))
     out = run(
         [sys.executable, str(ROOT / "stages/sft.py"), "--params", "params.yaml", "--model", "imported"]
-        + ["--train", str(micro_data / "packed/sft"), "--val", str(micro_data / "packed/val")]
-        + ["--out", "sft", "--checkpoints", "ck"],
+        + ["--train", str(micro_data / "packed/sft"), "--corpus", str(micro_data / "packed/train")]
+        + ["--val", str(micro_data / "packed/val"), "--out", "sft", "--checkpoints", "ck"],
         tmp_path,
     )
     assert "sft: done at step 4" in out.stdout
@@ -182,8 +182,8 @@ def test_pipeline_starts_from_a_local_hf_checkpoint(micro_data, tmp_path):
     assert load_model(work / "pretrain/model").cfg.vocab_size == vocab + 6
     out = stage(
         "sft",
-        *("--model", "pretrain/model", "--train", "packed/sft", "--val", "packed/val"),
-        *("--out", "sft", "--checkpoints", "ck/sft"),
+        *("--model", "pretrain/model", "--train", "packed/sft", "--corpus", "packed/train"),
+        *("--val", "packed/val", "--out", "sft", "--checkpoints", "ck/sft"),
     )
     assert "sft (lora)" in out and "done at step 4" in out
     stage(

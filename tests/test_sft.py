@@ -11,7 +11,7 @@ from flax import nnx
 from stagelm.config import LoraConfig, load_section
 from stagelm.errors import StagelmError
 from stagelm.files import read_json
-from stagelm.loader import PackedRows, batch_iterator
+from stagelm.loader import MixedRows, PackedRows, batch_iterator
 from stagelm.lora import add_lora, merge_lora
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.modeldir import load_model
@@ -98,6 +98,8 @@ def sft_command(micro_data, model, work):
         str(model),
         "--train",
         str(micro_data / "packed/sft"),
+        "--corpus",
+        str(micro_data / "packed/train"),
         "--val",
         str(micro_data / "packed/val"),
         "--out",
@@ -149,6 +151,29 @@ def test_sft_stage_outputs_and_frozen_base(micro_data, pretrained, tmp_path):
     full = run(sft_command(micro_data, pretrained, tmp_path), tmp_path)
     assert "sft (full)" in full.stdout and "starting fresh" in full.stdout
     assert read_json(tmp_path / "out/adapter/adapter_config.json") == {"method": "full"}
+
+
+def test_replay_mixes_that_share_of_corpus_rows_into_sft(micro_data):
+    sft, corpus = PackedRows(micro_data / "packed/sft"), PackedRows(micro_data / "packed/train")
+    mixed = MixedRows([sft, corpus], [None, len(sft)])  # replay 0.5: as many corpus rows as SFT rows
+    assert len(mixed) == 2 * len(sft) <= len(sft) + len(corpus)
+    rows = [mixed[i] for i in range(len(mixed))]
+    np.testing.assert_array_equal(rows[len(sft)]["tokens"], corpus[0]["tokens"])
+    # Corpus rows train on every token; SFT rows only on the assistant's.
+    assert all(r["loss_mask"].all() for r in rows[len(sft) :])
+    assert not any(r["loss_mask"].all() for r in rows[: len(sft)])
+
+
+@pytest.mark.slow
+def test_sft_stage_with_replay_reads_the_corpus_and_refuses_more_than_it_holds(micro_data, pretrained, tmp_path):
+    write_params(tmp_path / "params.yaml", micro_params(sft={"replay": 0.5}))
+    run(sft_command(micro_data, pretrained, tmp_path), tmp_path)
+    assert "corpus" in read_json(tmp_path / "out/provenance.json")["inputs"]
+    write_params(tmp_path / "params.yaml", micro_params(sft={"replay": 0.999}))
+    result = run(sft_command(micro_data, pretrained, tmp_path), tmp_path, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: sft.replay: 0.999 asks") and line.endswith("; lower it")
 
 
 @pytest.mark.slow

@@ -6,9 +6,9 @@ import json
 from stagelm import synthetic
 from stagelm.tasks import FAMILIES, REGISTRY, Family, Task, check_answer, first_sentence
 from stagelm.tasks.arithmetic import arithmetic_task
-from stagelm.tasks.uses_word import uses_word_task
+from stagelm.tasks.uses_word import bare_words, uses_word_task
 from stagelm.tasks.word_limit import word_limit_task
-from stagelm.tasks.words import NAMES, PLACES
+from stagelm.tasks.words import NAMES, OBJECTS, PLACES
 
 
 def digest(generated: dict) -> str:
@@ -31,7 +31,7 @@ def test_pinned_output_is_identical_on_every_machine():
     assert hashlib.sha256("\x00".join(corpus).encode()).hexdigest()[:16] == PINNED
 
 
-PINNED = "1883caffdc71ca55"
+PINNED = "c3d0d92595c9327e"
 
 
 def test_eval_problems_never_appear_in_training_sets_or_corpus():
@@ -43,9 +43,35 @@ def test_eval_problems_never_appear_in_training_sets_or_corpus():
     assert not held & train_prompts and not held_chat & train_prompts
     corpus = "\n".join(g["corpus"])
     arithmetic_held = [t for t in g["eval"] if t.family == "arithmetic"]
-    # The corpus writes facts as "a op b is c." lines and inside stories: neither form of a held-out problem appears.
-    assert not [t for t in arithmetic_held if f"\n{t.prompt} " in "\n" + corpus or f". {t.prompt} " in corpus]
+    # The corpus writes worked sums as "Work out a op b: ..." lines and plain "a op b is c." facts inside
+    # stories: neither form of a held-out problem appears.
+    plain = [t.prompt.removeprefix("Work out ").removesuffix(":") + " is" for t in arithmetic_held]
+    assert not [t for t in arithmetic_held if t.prompt in corpus]
+    assert not [p for p in plain if f". {p} " in corpus]
     assert not [t for t in g["eval"] if t.family == "uses_word" and t.prompt in corpus]
+
+
+def test_uses_word_eval_asks_for_words_no_training_answer_of_the_family_contains():
+    g = synthetic.generate(0, 3000, 2000, 1000, 1000)
+    held = {t.spec["word"] for t in g["eval"] if t.family == "uses_word"}
+    assert len(held) >= len(OBJECTS) // 5
+    answers = [m["messages"][1]["content"] for m in g["sft"] if m["family"] == "uses_word"]
+    assert len(answers) > 300 and not [a for a in answers if held & set(bare_words(a))]
+    trained = [t for t in g["rl"] if t.family == "uses_word"]
+    assert trained and not [t for t in trained if t.spec["word"] in held]
+    sheets = "\n".join(d for d in g["corpus"] if "with the word" in d).lower()
+    assert not [w for w in held if f"the word {w} " in sheets]
+    # The stories still use them: a held-out word is a known token, asked for in a new place.
+    assert all(any(w in d for d in g["corpus"] if "with the word" not in d) for w in held)
+
+
+def test_no_single_answer_passes_more_than_five_percent_of_any_familys_eval_prompts():
+    g = synthetic.generate(0, 0, 1, 1, 1000)
+    for family in FAMILIES:
+        tasks = [t for t in g["eval"] if t.family == family]
+        candidates = {t.answer for t in tasks} | {t.chat_answer for t in tasks}
+        best = max(sum(check_answer(family, t.spec, a)[1] for t in tasks) for a in candidates)
+        assert best <= 0.05 * len(tasks), (family, best)
 
 
 def test_word_limit_is_asked_only_in_the_rl_and_eval_sets():
@@ -53,7 +79,7 @@ def test_word_limit_is_asked_only_in_the_rl_and_eval_sets():
     limits = [t for t in g["rl"] if t.family == "word_limit"]
     assert len(limits) == 6 * len(NAMES) * len(PLACES) - 1000
     assert len({t.prompt for t in limits}) == len(limits)  # each training-pool problem once
-    assert {t.spec["max_words"] for t in limits} == set(range(3, 9))
+    assert {t.spec["max_words"] for t in limits} == set(range(4, 10))
     assert not [m for m in g["sft"] if m["family"] == "word_limit" or "Use at most" in m["messages"][0]["content"]]
     corpus = "\n".join(g["corpus"])
     assert "Use at most" not in corpus and not [t for t in limits if t.prompt in corpus]
@@ -67,7 +93,7 @@ def test_word_limit_is_asked_only_in_the_rl_and_eval_sets():
 
 def test_corpus_mixes_stories_arithmetic_and_constraints():
     corpus = synthetic.generate(0, 500, 1, 1, 1)["corpus"]
-    assert sum(" plus " in d or " minus " in d for d in corpus) > 100
+    assert sum(" plus 1 is " in d or " minus 1 minus " in d for d in corpus) > 100  # worked, carries and borrows
     assert sum('"' in d and "said" in d for d in corpus) > 100
     assert sum("in at most" in d for d in corpus) > 20
     assert len(set(corpus)) == len(corpus)
@@ -79,22 +105,28 @@ def test_checkers_accept_reference_answers_and_reject_wrong_ones():
         assert check_answer(t.family, t.spec, t.answer) == (True, True)
         assert check_answer(t.family, t.spec, t.chat_answer) == (True, True)
     t = arithmetic_task(23, "plus", 58)
+    assert t.answer == " 3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81."
+    assert arithmetic_task(40, "minus", 7).chat_answer == "10 minus 7 is 3, 4 minus 1 minus 0 is 3, so 33."
+    assert check_answer("arithmetic", t.spec, " 3 plus 8 is 11, 2 plus 5 is 7, so 71.") == (True, False)
     assert check_answer("arithmetic", t.spec, " 82.") == (True, False)
     assert check_answer("arithmetic", t.spec, " eighty one") == (False, False)
-    assert check_answer("arithmetic", t.spec, " 81. 4 plus 5 is 9.") == (True, True)
+    assert check_answer("arithmetic", t.spec, " 81. 4 plus 5 is 9.") == (True, True)  # the working is optional
     w = uses_word_task("Mia", "lamp", 5, "Mia found a lamp.")
     assert check_answer("uses_word", w.spec, "Mia found a big red lamp today.") == (True, False)  # too long
     assert check_answer("uses_word", w.spec, "Mia found a cup.") == (True, False)  # no word
+    assert check_answer("uses_word", w.spec, "Tom found a lamp.") == (True, False)  # not about Mia
     assert check_answer("uses_word", w.spec, "Mia found a lamp") == (False, False)  # no period
     assert first_sentence(" Tom ran. Then he hid.\nnext") == "Tom ran."
-    limit = word_limit_task("Mia", "park", 4, "Mia ran home.")
+    limit = word_limit_task("Mia", "park", 4, "Mia liked the park.")
     assert check_answer("word_limit", limit.spec, " Mia ran to the park.") == (True, False)  # five words
-    assert check_answer("word_limit", limit.spec, " Mia ran to it. More words follow here.") == (True, True)
+    assert check_answer("word_limit", limit.spec, " Mia left the park. More words follow here.") == (True, True)
+    assert check_answer("word_limit", limit.spec, " Mia ran home.") == (True, False)  # not at the park
+    assert check_answer("word_limit", limit.spec, " Tom left the park.") == (True, False)  # not about Mia
     assert check_answer("word_limit", limit.spec, " Mia.") == (False, False)  # one word is not a sentence
-    assert check_answer("word_limit", limit.spec, " Mia ran home") == (False, False)
+    assert check_answer("word_limit", limit.spec, " Mia left the park") == (False, False)
     assert check_answer("word_limit", limit.spec, " 9 plus 40.") == (False, False)  # not a sentence of words
-    assert check_answer("word_limit", limit.spec, " cake to Lucy.") == (False, False)  # not capitalised
-    assert check_answer("word_limit", limit.spec, ' "Hi," said Mia.') == (True, True)
+    assert check_answer("word_limit", limit.spec, " park to Mia.") == (False, False)  # not capitalised
+    assert check_answer("word_limit", limit.spec, ' "Park!" said Mia.') == (True, True)
 
 
 def test_a_new_family_is_one_family_object_and_changes_nothing_else():

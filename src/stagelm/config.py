@@ -239,6 +239,9 @@ class SftConfig(TrainingConfig):
     section: ClassVar[str] = "sft"
 
     method: str = checked(one_of("full", "lora"))
+    # Share of the training rows drawn from the pretraining corpus (replay), so tuning for
+    # chat costs the language model less; 0 = the SFT conversations alone.
+    replay: float = checked((lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
     lora: LoraConfig
 
 

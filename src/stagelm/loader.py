@@ -98,7 +98,8 @@ class MixedRows:
     every token, so it gets a mask of ones when another split (SFT) carries one.
     """
 
-    def __init__(self, splits: list[PackedRows]):
+    def __init__(self, splits: list[PackedRows], counts: list[int | None] | None = None):
+        """`counts`: how many leading rows of each split to use (None: all of it)."""
         widths = {s.manifest["row_len"] for s in splits}
         if len(widths) != 1:
             raise StagelmError(
@@ -108,8 +109,10 @@ class MixedRows:
         self.dir = splits[0].dir
         self.manifest = splits[0].manifest
         self.columns = sorted({c for s in splits for c in s.columns})
-        self.starts = list(np.cumsum([0] + [len(s) for s in splits[:-1]]))
-        self.rows = sum(len(s) for s in splits)
+        counts = counts or [None] * len(splits)
+        sizes = [len(s) if n is None else min(n, len(s)) for s, n in zip(splits, counts, strict=True)]
+        self.starts = list(np.cumsum([0] + sizes[:-1]))
+        self.rows = sum(sizes)
 
     def __len__(self) -> int:
         return self.rows

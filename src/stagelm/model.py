@@ -95,24 +95,75 @@ def segment_causal_mask(
     return (same & causal)[:, None]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked softmax attention with grouped k/v heads, computed in (B, K, G, T, Dh) layout.
+def row_causal_mask(segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """(B, 1, T, T) bool for rows attending to themselves: `segment_causal_mask`, and never a
+    key to the right of its query. The same mask for packed rows (positions rise within a
+    document); it also keeps padding from looking ahead, so `attention(causal=True)` may
+    skip every block above the diagonal."""
+    t = segment_ids.shape[1]
+    return segment_causal_mask(segment_ids, segment_ids, positions, positions) & jnp.tri(t, dtype=bool)
+
+
+@jax.custom_vjp
+def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ masked)·v. q: (B, K, G, T, Dh), already scaled; k, v: (B, K, S, Dh);
+    mask: (B, 1, T, S) bool → (B, K, G, T, Dh). Scores and softmax in float32.
+
+    Its backward pass is written out (dS = P ∘ (dO·vᵀ − rowsum(dO ∘ O))), as flash
+    attention's is: XLA:CPU's autodiff of the softmax ran about twice as slow
+    (benchmarks/README.md). `test_attention_equals_jax_reference` checks both passes."""
+    return _attention_forward(q, k, v, mask)[0]
+
+
+def _attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple:
+    b, kh, g, t, dh = q.shape
+    # The G query heads of a k/v head are stacked along the query axis: one batched matmul per (B, K).
+    scores = jnp.einsum("bkqd,bksd->bkqs", q.reshape(b, kh, g * t, dh), k).astype(jnp.float32)
+    bias = jnp.where(mask, 0.0, -1e30)[:, :, None]  # (B, 1, 1, T, S)
+    scores = scores.reshape(b, kh, g, t, -1) + bias
+    weights = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights = (weights / weights.sum(axis=-1, keepdims=True)).reshape(b, kh, g * t, -1)
+    out = jnp.einsum("bkqs,bksd->bkqd", weights.astype(v.dtype), v)
+    return out.reshape(q.shape), (q, k, v, weights, out)
+
+
+def _attention_backward(residuals: tuple, d_out: jax.Array) -> tuple:
+    q, k, v, weights, out = residuals
+    b, kh, g, t, dh = q.shape
+    d_out = d_out.reshape(out.shape)
+    dv = jnp.einsum("bkqs,bkqd->bksd", weights.astype(v.dtype), d_out)
+    dp = jnp.einsum("bkqd,bksd->bkqs", d_out, v).astype(jnp.float32)
+    row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    ds = (weights * (dp - row)).astype(q.dtype)
+    dq = jnp.einsum("bkqs,bksd->bkqd", ds, k).reshape(q.shape)
+    dk = jnp.einsum("bkqs,bkqd->bksd", ds, q.reshape(b, kh, g * t, dh))
+    return dq, dk, dv, None
+
+
+softmax_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool = False) -> jax.Array:
+    """Masked softmax attention with grouped k/v heads.
 
     q: (B, T, H, Dh); k, v: (B, S, K, Dh) with H = K·G; mask: (B, 1, T, S) bool → (B, T, H, Dh).
-    Written out rather than `jax.nn.dot_product_attention` because XLA:CPU runs the
-    backward pass of this layout ~1.4× faster (benchmarks/README.md); the test suite
-    checks that both agree.
+    `causal`: q and k/v are the same T rows and `mask` hides every key right of its query
+    (`row_causal_mask`); the first half of the queries then attends only to the first half
+    of the keys, a quarter of the score matrix never computed. Written out rather than
+    `jax.nn.dot_product_attention`, which XLA:CPU runs slower (benchmarks/README.md); the
+    test suite checks that both agree.
     """
     b, t, h, dh = q.shape
     kh = k.shape[2]
-    q = q.reshape(b, t, kh, h // kh, dh).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, Dh)
+    q = (q * dh**-0.5).reshape(b, t, kh, h // kh, dh).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, Dh)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, Dh)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q * dh**-0.5, k).astype(jnp.float32)
-    scores = scores + jnp.where(mask[:, :, None], 0.0, -1e30)  # (B, 1, 1, T, S) bias
-    scores = scores - jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-    weights = jnp.exp(scores)
-    weights = (weights / weights.sum(axis=-1, keepdims=True)).astype(v.dtype)
-    y = jnp.einsum("bkgts,bksd->bkgtd", weights, v)
+    if causal and t >= 2:
+        half = t // 2
+        first = softmax_attention(q[:, :, :, :half], k[:, :, :half], v[:, :, :half], mask[:, :, :half, :half])
+        rest = softmax_attention(q[:, :, :, half:], k, v, mask[:, :, half:])
+        y = jnp.concatenate([first, rest], axis=3)
+    else:
+        y = softmax_attention(q, k, v, mask)
     return y.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
 
@@ -176,7 +227,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         q, k, v = self.project_qkv(x, positions, rng)
-        y = constrain(attention(q, k, v, mask), ("batch", "seq", "heads", "head_dim"))
+        y = constrain(attention(q, k, v, mask, causal=True), ("batch", "seq", "heads", "head_dim"))
         return self.o(y, rng)
 
     def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
@@ -246,7 +297,7 @@ class Decoder(nnx.Module):
     ) -> jax.Array:
         """Final-norm hidden states (B, T, D) of token rows (B, T); `rng` drives LoRA dropout when set."""
         x = self.embed_tokens(tokens)
-        mask = segment_causal_mask(segment_ids, segment_ids, positions, positions)
+        mask = row_causal_mask(segment_ids, positions)
         for i, block in enumerate(self.blocks):
             key = None if rng is None else jax.random.fold_in(rng, i)
             if self.cfg.remat == "block":

@@ -6,18 +6,19 @@ CPython keeps stable across platforms and versions, so the output is byte-identi
 on every machine.
 
 The corpus mixes templated short stories (characters, places, objects, dialogue,
-small sums told in words) with each taught family's corpus documents (arithmetic
-sheets in the completion format, `23 plus 58 is 81.`, and sheets of constrained
-sentences), in the shares `stagelm.tasks` registers. Before anything is drawn, each
-family's problem space is split: the first `num_eval` problems of a seeded shuffle
-are held out for eval and never appear in the corpus, the SFT set or the RL set.
+small sums told in words) with each taught family's corpus documents (sheets of
+worked sums in the completion format and sheets of constrained sentences), in the
+shares `stagelm.tasks` registers. Before anything is drawn, each family's problem
+space is split (`Family.split`; by default a seeded shuffle whose first `num_eval`
+problems are held out): held-out problems are asked only in the eval set and never
+appear in the corpus, the SFT set or the RL set.
 """
 
 import random
 from collections.abc import Callable
 
 from stagelm.tasks import REGISTRY, Family, Task
-from stagelm.tasks.family import Problem
+from stagelm.tasks.family import Problem, split_problems
 from stagelm.tasks.words import (
     ADJECTIVES,
     ANIMALS,
@@ -32,13 +33,6 @@ from stagelm.tasks.words import (
 )
 
 STORY_SHARE = 0.45  # of the corpus documents; the taught families' documents share the rest
-
-
-def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random) -> tuple[list, list]:
-    """(held out, training pool): a seeded shuffle, the first `n_held_out` held out."""
-    order = list(problems)
-    rng.shuffle(order)
-    return order[:n_held_out], order[n_held_out:]
 
 
 # --- stories ------------------------------------------------------------------------
@@ -108,7 +102,8 @@ def generate(
     taught = [f for f in families.values() if f.sft_share > 0]
     held, pools = {}, {}
     for family in taught:
-        held[family.name], pools[family.name] = split_problems(family.problems(), num_eval, rng)
+        split = family.split or split_problems
+        held[family.name], pools[family.name] = split(family.problems(), num_eval, rng)
 
     facts = pools.get("arithmetic", [])  # the stories tell sums of the arithmetic training pool
     kinds: list[tuple[float, Callable[[], str]]] = [(STORY_SHARE if facts else 0.0, lambda: story(rng, facts))]
@@ -145,7 +140,7 @@ def generate(
         if family.sft_share > 0:
             continue
         own = random.Random(f"{seed}:{family.name}")
-        held_out, pool = split_problems(family.problems(), num_eval, own)
+        held_out, pool = (family.split or split_problems)(family.problems(), num_eval, own)
         rl += [family.ask(own, p) for p in pool]
         evals += [family.ask(own, p) for p in held_out]
     return {"corpus": corpus, "sft": sft, "rl": rl, "eval": evals}

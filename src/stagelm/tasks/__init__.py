@@ -4,9 +4,12 @@ Each family is one module of this package (its problem space, how a problem is a
 in the completion and chat formats with a reference answer, its checker, and the
 corpus text it contributes, if any), described by a `family.Family`:
 
-- `arithmetic`: `23 plus 58 is` → ` 81.` (taught: corpus sheets, SFT and RL);
-- `uses_word`: a sentence about a name with a given word in at most k words (taught);
-- `word_limit`: a sentence in at most k words, asked only in the rl and eval sets.
+- `arithmetic`: `Work out 23 plus 58:` → ` 3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.`
+  (taught: corpus sheets, SFT and RL);
+- `uses_word`: a sentence about a name with a given word in at most k words (taught;
+  its eval prompts ask for words held out of all its training text, so it tests copying);
+- `word_limit`: a sentence about a person at a place in at most k words, asked only in
+  the rl and eval sets.
 
 An answer is the completion's first sentence (up to and including the first period).
 

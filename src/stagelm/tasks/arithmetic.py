@@ -1,9 +1,20 @@
 """arithmetic: addition and subtraction of numbers 0-99 (subtraction never goes below zero).
 
-Completion format, as the corpus writes it: `23 plus 58 is` → ` 81.`; chat format:
-user `What is 23 plus 58?` → assistant `23 plus 58 is 81.` The checker reads the
-number that ends the first sentence. The corpus carries sheets of these lines (and
-the stories of `stagelm.synthetic` tell sums from the same training pool).
+The answer works column by column, as a child is taught, and then states the result:
+
+    Work out 23 plus 58: 3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.
+    Work out 71 minus 38: 11 minus 8 is 3, 7 minus 1 minus 3 is 3, so 33.
+
+(the ones column, then the tens with the carry or the borrow, then the result). Each
+step is a one-digit fact and the result is read off the two steps, so a small model
+learns the whole space from a few thousand examples, where the plain `23 plus 58 is
+81.` asks it to find the carry without writing it (Lee et al. 2023, "Teaching
+Arithmetic to Small Transformers": such a scratchpad is the most sample-efficient
+format). Completion format: `Work out 23 plus 58:` → ` 3 plus 8 is 11, …, so 81.`;
+chat: user `What is 23 plus 58?` → the same working. The checker reads the number
+that ends the first sentence, so a bare `81.` passes too. The corpus carries sheets of
+these lines (and the stories of `stagelm.synthetic` tell plain sums from the same
+training pool).
 """
 
 import random
@@ -21,15 +32,29 @@ def problems() -> list[Problem]:
     return adds + subs
 
 
+def working(a: int, op: str, b: int) -> str:
+    """The column-by-column answer: `3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.`"""
+    (a1, a0), (b1, b0) = divmod(a, 10), divmod(b, 10)
+    if op == "plus":
+        carry = (a0 + b0) // 10
+        ones = f"{a0} plus {b0} is {a0 + b0}"
+        tens = f"{a1} plus {b1}{' plus 1' if carry else ''} is {a1 + b1 + carry}"
+    else:
+        borrow = int(a0 < b0)
+        ones = f"{a0 + 10 * borrow} minus {b0} is {a0 + 10 * borrow - b0}"
+        tens = f"{a1}{' minus 1' if borrow else ''} minus {b1} is {a1 - borrow - b1}"
+    return f"{ones}, {tens}, so {OPS[op](a, b)}."
+
+
 def arithmetic_task(a: int, op: str, b: int) -> Task:
-    c = OPS[op](a, b)
+    steps = working(a, op, b)
     return Task(
         family="arithmetic",
-        prompt=f"{a} {op} {b} is",
+        prompt=f"Work out {a} {op} {b}:",
         chat_prompt=f"What is {a} {op} {b}?",
-        answer=f" {c}.",
-        chat_answer=f"{a} {op} {b} is {c}.",
-        spec={"answer": c},
+        answer=f" {steps}",
+        chat_answer=steps,
+        spec={"answer": OPS[op](a, b)},
     )
 
 
@@ -46,7 +71,7 @@ def check(spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
 
 
 def sheet(rng: random.Random, pool: list[Problem]) -> str:
-    """A corpus document: 4-10 facts of the training pool, one per line."""
+    """A corpus document: 4-10 worked problems of the training pool, one per line."""
     lines = [arithmetic_task(*rng.choice(pool)) for _ in range(rng.randint(4, 10))]
     return "\n".join(t.prompt + t.answer for t in lines)
 

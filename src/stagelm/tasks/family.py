@@ -8,6 +8,7 @@ training tasks; evaluation and GRPO grade answers with `check`.
 """
 
 import dataclasses
+import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,34 @@ class Family:
     # The keys `check` reads from a task's spec and their JSON types: task files
     # (data.rl_files, data.eval_files) are validated against it row by row.
     spec_schema: dict[str, type] = dataclasses.field(default_factory=dict)
+    # (held out, training pool) of `problems()`, at least `n_held_out` held out when the space
+    # allows. None: a seeded shuffle of the problems, the first n_held_out held out. A family
+    # whose skill is copying from the prompt holds out whole words instead, so its eval
+    # prompts ask for words no training answer of the family contains.
+    split: Callable[[list[Problem], int, random.Random], tuple[list[Problem], list[Problem]]] | None = None
+
+
+def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random) -> tuple[list, list]:
+    """(held out, training pool): a seeded shuffle, the first `n_held_out` held out."""
+    order = list(problems)
+    rng.shuffle(order)
+    return order[:n_held_out], order[n_held_out:]
+
+
+def split_by_value(
+    problems: list[Problem], n_held_out: int, rng: random.Random, field: int, min_share: float
+) -> tuple[list, list]:
+    """(held out, training pool) where no value of problem[field] is in both: a seeded choice of
+    at least `min_share` of the values (more when `n_held_out` problems need them), the held-out
+    problems drawn from theirs; the pool is every problem of the other values."""
+    values = sorted({p[field] for p in problems})
+    rng.shuffle(values)
+    per_value = len(problems) / len(values)
+    count = min(len(values) - 1, max(math.ceil(min_share * len(values)), math.ceil(n_held_out / per_value)))
+    held_values = set(values[:count])
+    held = [p for p in problems if p[field] in held_values]
+    rng.shuffle(held)
+    return held[:n_held_out], [p for p in problems if p[field] not in held_values]
 
 
 def first_sentence(completion: str) -> str:

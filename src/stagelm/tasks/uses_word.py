@@ -1,15 +1,23 @@
 """uses_word: a sentence about a name that uses a given word, within a word budget.
 
-Completion format: `A sentence about Mia with the word "lamp" in at most 8 words:` →
+Completion format: `A sentence about Mia with the word lamp in at most 8 words:` →
 ` Mia found a lamp.`; the chat user turn asks the same. The checker accepts any
-sentence that contains the word and has at most that many words, so answers vary
-and a program verifies them. The corpus carries sheets of such lines.
+sentence that names the person, contains the word and has at most that many words,
+so answers vary and a program verifies them. The word stands bare in the prompt (not
+in quotes), so the token the answer needs is one the prompt holds: the skill is
+copying it.
+
+The split holds out whole words (`split_by_value`): the eval prompts ask for words that
+no corpus sheet, SFT answer or RL prompt of this family contains, so a model passes
+only by copying the word from the prompt, not by recalling a trained answer. The
+stories use every word, so each is a known token.
 """
 
+import functools
 import random
 from typing import Any
 
-from stagelm.tasks.family import Family, Problem, Task, first_sentence
+from stagelm.tasks.family import Family, Problem, Task, first_sentence, split_by_value
 from stagelm.tasks.words import ADJECTIVES, COLORS, NAMES, OBJECTS, PLACES, TIMES
 
 
@@ -20,11 +28,11 @@ def problems() -> list[Problem]:
 def uses_word_task(name: str, word: str, max_words: int, sentence: str) -> Task:
     return Task(
         family="uses_word",
-        prompt=f'A sentence about {name} with the word "{word}" in at most {max_words} words:',
-        chat_prompt=f'Write a sentence about {name} that uses the word "{word}" in at most {max_words} words.',
+        prompt=f"A sentence about {name} with the word {word} in at most {max_words} words:",
+        chat_prompt=f"Write a sentence about {name} that uses the word {word} in at most {max_words} words.",
         answer=f" {sentence}",
         chat_answer=sentence,
-        spec={"word": word, "max_words": max_words},
+        spec={"name": name, "word": word, "max_words": max_words},
     )
 
 
@@ -59,12 +67,16 @@ def ask(rng: random.Random, problem: Problem) -> Task:
     return uses_word_task(name, word, k, constrained_sentence(rng, name, word, k))
 
 
+def bare_words(sentence: str) -> list[str]:
+    return [w.strip('.,!?;:"').lower() for w in sentence.split()]
+
+
 def check(spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
     sentence = first_sentence(completion)
-    words = sentence.split()
+    words = bare_words(sentence)
     well_formed = sentence.endswith(".") and len(words) >= 2
-    bare = {w.strip('.,!?;:"').lower() for w in words}
-    return well_formed, well_formed and spec["word"].lower() in bare and len(words) <= spec["max_words"]
+    named = spec["name"].lower() in words and spec["word"].lower() in words
+    return well_formed, well_formed and named and len(words) <= spec["max_words"]
 
 
 def sheet(rng: random.Random, pool: list[Problem]) -> str:
@@ -81,5 +93,6 @@ FAMILY = Family(
     sft_share=0.3,
     corpus=sheet,
     corpus_share=0.15,
-    spec_schema={"word": str, "max_words": int},
+    spec_schema={"name": str, "word": str, "max_words": int},
+    split=functools.partial(split_by_value, field=1, min_share=0.2),  # a fifth of the words, at least
 )

@@ -1,10 +1,13 @@
-"""word_limit: a length instruction, checked the way IFEval checks its instructions.
+"""word_limit: a sentence about a person at a place, within a word limit.
 
-Only the instruction is checked, not the topic. Chat: `Write a sentence about Mia at
-the park. Use at most 4 words.` → `Mia ran to the park.` fails, `Mia ran home.`
-passes; the answer must be a sentence of words, capitalised and without digits
-(`9 plus 40.` and `cake to Lucy.` fail). Completion format: `A sentence about Mia at
-the park in at most 4 words:`. Only the rl and eval sets ask it (sft_share 0): no
+The checker verifies the whole instruction: the word limit (as IFEval checks its
+length instructions), and that the sentence is about the person and the place asked
+(both appear in it). Chat: `Write a sentence about Mia at the park. Use at most 4
+words.` → `Mia ran to the park.` fails (5 words), `Mia liked the park.` passes, `Mia
+ran home.` fails (no park); the answer must be a sentence of words, capitalised and
+without digits (`9 plus 40.` and `cake to Lucy.` fail). So no one constant sentence
+passes more than the few prompts about its own person and place. Completion format:
+`A sentence about Mia at the park in at most 4 words:`. Only the rl and eval sets ask it (sft_share 0): no
 corpus document and no SFT conversation does, so it measures what RL with a
 checkable reward adds to instructions SFT never showed.
 """
@@ -13,11 +16,11 @@ import random
 from typing import Any
 
 from stagelm.tasks.family import Family, Problem, Task, first_sentence
-from stagelm.tasks.words import ADJECTIVES, ANIMALS, FEELINGS, NAMES, PLACES, TIMES
+from stagelm.tasks.words import ADJECTIVES, ANIMALS, NAMES, PLACES, TIMES
 
 
 def problems() -> list[Problem]:
-    return [(n, p, k) for n in NAMES for p in PLACES for k in range(3, 9)]
+    return [(n, p, k) for n in NAMES for p in PLACES for k in range(4, 10)]
 
 
 def word_limit_task(name: str, place: str, max_words: int, sentence: str) -> Task:
@@ -27,13 +30,13 @@ def word_limit_task(name: str, place: str, max_words: int, sentence: str) -> Tas
         chat_prompt=f"Write a sentence about {name} at the {place}. Use at most {max_words} words.",
         answer=f" {sentence}",
         chat_answer=sentence,
-        spec={"max_words": max_words},
+        spec={"name": name, "place": place, "max_words": max_words},
     )
 
 
 _TEMPLATES = [
-    "{name} smiled.",
-    "{name} was {feel}.",
+    "{name} liked the {place}.",
+    "{name} left the {place}.",
     "{name} ran to the {place}.",
     "{name} liked the {adj} {place}.",
     "{name} played at the {place} today.",
@@ -48,7 +51,6 @@ def limited_sentence(rng: random.Random, name: str, place: str, max_words: int) 
     return template.format(
         name=name,
         place=place,
-        feel=rng.choice(FEELINGS),
         adj=rng.choice(ADJECTIVES),
         animal=rng.choice(ANIMALS),
         time=rng.choice(TIMES),
@@ -66,7 +68,9 @@ def check(spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
     wordlike = all(w.strip('.,!?;:"').isalpha() for w in words)
     capitalised = words[0].strip('"').istitle() if words else False
     well_formed = sentence.endswith(".") and len(words) >= 2 and wordlike and capitalised
-    return well_formed, well_formed and len(words) <= spec["max_words"]
+    bare = {w.strip('.,!?;:"').lower() for w in words}
+    about = spec["name"].lower() in bare and spec["place"].lower() in bare
+    return well_formed, well_formed and about and len(words) <= spec["max_words"]
 
 
-FAMILY = Family("word_limit", problems, ask, check, spec_schema={"max_words": int})
+FAMILY = Family("word_limit", problems, ask, check, spec_schema={"name": str, "place": str, "max_words": int})
