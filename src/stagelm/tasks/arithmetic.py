@@ -6,11 +6,10 @@ The answer works column by column, as a child is taught, and then states the res
     Work out 71 minus 38: 11 minus 8 is 3, 7 minus 1 minus 3 is 3, so 33.
 
 (the ones column, then the tens with the carry or the borrow, then the result). Each
-step is a one-digit fact and the result is read off the two steps, so a small model
-learns the whole space from a few thousand examples, where the plain `23 plus 58 is
-81.` asks it to find the carry without writing it (Lee et al. 2023, "Teaching
-Arithmetic to Small Transformers": such a scratchpad is the most sample-efficient
-format). Completion format: `Work out 23 plus 58:` → ` 3 plus 8 is 11, …, so 81.`;
+step is a one-digit fact and the result is read off the two steps, where the plain
+`23 plus 58 is 81.` asks the model to find the carry without writing it (Lee et al.
+2023, "Teaching Arithmetic to Small Transformers", on scratchpad formats; the README
+has what each format reached here). Completion format: `Work out 23 plus 58:` → ` 3 plus 8 is 11, …, so 81.`;
 chat: user `What is 23 plus 58?` → the same working. The checker reads the number
 that ends the first sentence, so a bare `81.` passes too. The corpus carries sheets of
 these lines (and the stories of `stagelm.synthetic` tell plain sums from the same
