@@ -85,6 +85,8 @@ def eval_claims(params: dict) -> None:
         samples = Path(f"runs/samples/{name}.jsonl").read_text().splitlines()
         claim(len(samples) == n_prompts, f"sample@{name}: {len(samples)} samples, one per sample.prompts entry")
         claim(f"| {name} |" in report, f"report: names {name}")
+        opening = report.split("## Models")[0]
+        claim(f"\n- **{name}** " in opening, f"report: the stage-by-stage section says what {name} added")
         claim(Path(f"runs/report/{name}_loss.png").is_file(), f"report: a loss curve for {name}")
 
 
@@ -146,6 +148,16 @@ def grpo_claims(params: dict) -> None:
         if family in params["grpo"]["families"]:
             constant_answer_claim(family)
             target(diff >= 2 * se, f"grpo: targeted {family} {change} (>= +2)")
+            sampled_sft = load("runs/eval/sft/metrics.json").get("chat_sampled", {}).get(family)
+            sampled_grpo = load("runs/eval/grpo/metrics.json").get("chat_sampled", {}).get(family)
+            if sampled_sft and sampled_grpo:
+                a, b = sampled_grpo, sampled_sft
+                se = math.sqrt(a["accuracy_se"] ** 2 + b["accuracy_se"] ** 2)
+                diff = a["accuracy"] - b["accuracy"]
+                print(
+                    f"info  grpo: targeted {family} sampled (eval.sample_temperature) {b['accuracy']:.3f} → "
+                    f"{a['accuracy']:.3f}, {diff / se if se else 0.0:+.1f} SE"
+                )
         else:
             claim(diff >= -se, f"grpo: holds sft's {family} ({change}; >= -1)")
 

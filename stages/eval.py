@@ -13,7 +13,15 @@ import jax
 
 from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
-from stagelm.evaluation import FORMATS, answer_tasks, limit_per_family, task_metrics, task_prompts, val_metrics
+from stagelm.evaluation import (
+    FORMATS,
+    answer_tasks,
+    family_accuracy,
+    limit_per_family,
+    task_metrics,
+    task_prompts,
+    val_metrics,
+)
 from stagelm.files import atomic_write_bytes, write_json
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows
@@ -50,6 +58,9 @@ def main() -> None:
     gen = Generator(model, tok, capacity)
     records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
     metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)
+    if cfg.sample_temperature > 0:  # what GRPO's rollouts see: one sampled chat answer per prompt
+        sampled = answer_tasks(gen, tasks, "chat", cfg.task_batch_size, cfg.max_new_tokens, cfg.sample_temperature)
+        metrics["chat_sampled"] = {"temperature": cfg.sample_temperature, **family_accuracy(sampled)}
 
     if jax.process_index() == 0:
         write_json(args.out / "metrics.json", metrics)

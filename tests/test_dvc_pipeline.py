@@ -75,12 +75,17 @@ def test_full_repro_produced_every_artifact(project):
     seg = PackedRows(project / "data/packed/val").all_rows()["segment_ids"]
     pieces = sum(len(set(row[row > 0].tolist())) for row in seg)
     assert ev["val_tokens"] == (seg > 0).sum() - pieces  # every target of the whole val split, once
+    assert ev["chat_sampled"]["n"] == held_out and ev["chat_sampled"]["temperature"] == 1.0
     predictions = (project / "runs/eval/pretrain/predictions.jsonl").read_text().splitlines()
     assert len(predictions) == 2 * held_out  # both formats
     samples = [json.loads(line) for line in (project / "runs/samples/pretrain.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in samples] == micro_params()["sample"]["prompts"]
     report = (project / "runs/report.md").read_text()
     assert "| pretrain |" in report and "![pretrain loss](report/pretrain_loss.png)" in report
+    opening = report.split("## Models")[0]  # the stage-by-stage table and one sentence per stage
+    assert "| sft | pretrain |" in opening and "| distill | sft (teacher) |" in opening
+    assert "- **sft** (from pretrain) moved chat accuracy arithmetic" in opening
+    assert "- **grpo** (from sft, rewarding arithmetic) moved" in opening and "sampled at T=1" in opening
     assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
     assert (project / "runs/report/grpo_reward.png").is_file()
     bench = read_json(project / "runs/benchmark/metrics.json")

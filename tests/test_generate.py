@@ -9,9 +9,11 @@ import pytest
 from flax import nnx
 
 from stagelm.errors import StagelmError
+from stagelm.evaluation import answer_tasks
 from stagelm.files import sha256_file
 from stagelm.generate import Generator, Sampling, sample_tokens
 from stagelm.model import Decoder, DecoderConfig
+from stagelm.rawdata import read_raw
 from stagelm.tokenizer import load_tokenizer
 
 
@@ -139,3 +141,14 @@ def test_bad_inputs(gen, micro_data, tmp_path):
     )
     with pytest.raises(StagelmError, match="use the tokenizer.json saved with the model"):
         Generator(Decoder(other, nnx.Rngs(0)), gen.tokenizer, 64)
+
+
+def test_sampled_eval_answers_are_reproducible_and_greedy_at_a_vanishing_temperature(gen, micro_data):
+    """The eval's sampled pass: the same records on a rerun, varied answers at T=1, and the
+    greedy answers when the temperature leaves no mass off the argmax."""
+    tasks = read_raw(micro_data / "raw", "eval").to_pylist()[:40]
+    greedy = answer_tasks(gen, tasks, "chat", 16, 12)
+    sampled = answer_tasks(gen, tasks, "chat", 16, 12, temperature=1.0)
+    assert sampled == answer_tasks(gen, tasks, "chat", 16, 12, temperature=1.0)
+    assert [r["completion"] for r in sampled] != [r["completion"] for r in greedy]
+    assert answer_tasks(gen, tasks, "chat", 16, 12, temperature=1e-6) == greedy

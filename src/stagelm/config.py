@@ -204,6 +204,7 @@ class EvalConfig:
     task_batch_size: int = checked(POSITIVE)  # prompts generated together
     max_examples: int | None = checked(POSITIVE)  # per task family; null = the whole eval set
     max_new_tokens: int = checked(POSITIVE)
+    sample_temperature: float = checked(NON_NEGATIVE)  # chat answered once more, sampled; 0 = not
 
 
 @dataclasses.dataclass(frozen=True)

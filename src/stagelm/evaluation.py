@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
-from stagelm.generate import Generator
+from stagelm.generate import Generator, Sampling
 from stagelm.loader import PackedRows
 from stagelm.meshbatch import sum_over_split
 from stagelm.tasks import check_answer
@@ -79,13 +79,18 @@ def task_prompts(tok: Tokenizer, tasks: list[dict], fmt: str) -> list[list[int]]
     return [tok.encode(t["prompt"], add_special_tokens=False).ids for t in tasks]
 
 
-def answer_tasks(gen: Generator, tasks: list[dict], fmt: str, batch: int, max_new: int) -> list[dict]:
-    """Greedy answers to `tasks` in format `fmt`, each graded: one prediction record per task."""
+def answer_tasks(
+    gen: Generator, tasks: list[dict], fmt: str, batch: int, max_new: int, temperature: float = 0.0
+) -> list[dict]:
+    """Answers to `tasks` in format `fmt`, each graded: one prediction record per task. Greedy
+    by default; sampled at `temperature` (no top-k or top-p cut) from a key fixed per batch."""
     prompts = task_prompts(gen.tokenizer, tasks, fmt)
+    sampling = Sampling(temperature=temperature)
     records = []
     for start in range(0, len(tasks), batch):
         chunk = prompts[start : start + batch]
-        completions = gen.generate(chunk, max_new, chat=fmt == "chat", stop_at_newline=True, batch=batch)
+        key = jax.random.fold_in(jax.random.key(0), start)
+        completions = gen.generate(chunk, max_new, sampling, key, chat=fmt == "chat", stop_at_newline=True, batch=batch)
         for task, completion in zip(tasks[start : start + batch], completions, strict=True):
             well_formed, correct = check_answer(task["family"], json.loads(task["spec"]), completion.text)
             records.append(
@@ -108,13 +113,15 @@ def accuracy_of(records: list[dict]) -> dict[str, float]:
     return {"accuracy": p, "accuracy_se": math.sqrt(p * (1 - p) / n), "well_formed": well_formed, "n": n}
 
 
+def family_accuracy(records: list[dict]) -> dict[str, Any]:
+    """Pooled accuracy of `records` and each family's, by name."""
+    families = sorted({r["family"] for r in records})
+    return {**accuracy_of(records), **{f: accuracy_of([r for r in records if r["family"] == f]) for f in families}}
+
+
 def task_metrics(records: list[dict], rule: str) -> dict[str, Any]:
     """Per format (pooled and per family) accuracy, and the overall `accuracy` by `rule` (best | chat)."""
-    out: dict[str, Any] = {}
-    for fmt in FORMATS:
-        mine = [r for r in records if r["format"] == fmt]
-        families = sorted({r["family"] for r in mine})
-        out[fmt] = {**accuracy_of(mine), **{f: accuracy_of([r for r in mine if r["family"] == f]) for f in families}}
+    out: dict[str, Any] = {fmt: family_accuracy([r for r in records if r["format"] == fmt]) for fmt in FORMATS}
     chosen = max(FORMATS, key=lambda f: out[f]["accuracy"]) if rule == "best" else "chat"
     out.update(accuracy=out[chosen]["accuracy"], accuracy_se=out[chosen]["accuracy_se"], accuracy_format=chosen)
     return out

@@ -10,6 +10,7 @@ on GitHub and in any Markdown viewer.
 import csv
 import hashlib
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,97 @@ def family_table(models: list[dict]) -> list[str]:
     return lines
 
 
+def parent_of(m: dict, names: list[str]) -> tuple[str, str] | None:
+    """(input name, model) a stage started from, read from its provenance: ("model", "pretrain")
+    for SFT, ("teacher", "sft") for distillation; None for a model trained from scratch."""
+    for key in ("teacher", "model"):
+        path = m["provenance"].get("inputs", {}).get(key, {}).get("path", "")
+        for name in names:
+            if f"/{name}/model/" in f"/{path}":
+                return key, name
+    return None
+
+
+def cell(metrics: dict, family: str) -> str:
+    f = metrics.get(family)
+    return f"{f['accuracy']:.3f} ± {f['accuracy_se']:.3f}" if f else "—"
+
+
+def stage_table(models: list[dict]) -> list[str]:
+    """One row per model and format it is read in: the base model's completion and chat, a tuned
+    model's chat, and its chat sampled at the eval's temperature when the eval measured it."""
+    families = sorted({k for m in models for k, v in m["eval"]["chat"].items() if isinstance(v, dict)})
+    lines = [
+        "| stage | started from | val loss | asked | " + " | ".join(families) + " |",
+        "|---|---|---|---|" + "---|" * len(families),
+    ]
+    names = [m["name"] for m in models]
+    for m in models:
+        e, parent = m["eval"], parent_of(m, names)
+        rows = [("completion", e["completion"]), ("chat", e["chat"])] if parent is None else [("chat", e["chat"])]
+        if "chat_sampled" in e:
+            rows.append((f"chat, sampled at T={e['chat_sampled']['temperature']:g}", e["chat_sampled"]))
+        origin = (
+            "random weights" if parent is None else f"{parent[1]}" + (" (teacher)" if parent[0] == "teacher" else "")
+        )
+        for i, (asked, metrics) in enumerate(rows):
+            first = i == 0
+            lead = f"| {m['name']} | {origin} | {e['val_loss']:.3f} |" if first else "| | | |"
+            lines.append(f"{lead} {asked} | " + " | ".join(cell(metrics, f) for f in families) + " |")
+    return lines
+
+
+def change(before: dict, after: dict, family: str) -> str:
+    """`family`'s accuracy before → after, with the difference in standard errors of the difference."""
+    a, b = before[family], after[family]
+    se = math.hypot(a["accuracy_se"], b["accuracy_se"])
+    diff = b["accuracy"] - a["accuracy"]
+    size = f" ({diff / se:+.1f} SE)" if se > 0 else ""
+    return f"{family} {a['accuracy']:.3f} → {b['accuracy']:.3f}{size}"
+
+
+def stage_sentences(models: list[dict]) -> list[str]:
+    """One sentence per stage: what it added to the model it started from, in the numbers above."""
+    by_name = {m["name"]: m for m in models}
+    out = []
+    for m in models:
+        e, parent = m["eval"], parent_of(m, list(by_name))
+        families = sorted(k for k, v in e["chat"].items() if isinstance(v, dict))
+        if parent is None:
+            accs = ", ".join(f"{f} {e['completion'][f]['accuracy']:.3f}" for f in families)
+            out.append(
+                f"- **{m['name']}** trained {m['params_count']:,} parameters from random weights on "
+                f"{m['train']['tokens_seen']:,} tokens to a val loss of {e['val_loss']:.3f} nats/token; "
+                f"asked in the completion format it answers {accs}."
+            )
+            continue
+        source = by_name[parent[1]]["eval"]
+        if parent[0] == "teacher":
+            teacher = by_name[parent[1]]
+            share = m["params_count"] / teacher["params_count"]
+            accs = ", ".join(
+                f"{f} {e['chat'][f]['accuracy']:.3f} (teacher {source['chat'][f]['accuracy']:.3f})" for f in families
+            )
+            out.append(
+                f"- **{m['name']}** trained a {m['params_count']:,}-parameter student ({share:.0%} of its teacher "
+                f"{parent[1]}) to a val loss of {e['val_loss']:.3f} (teacher {source['val_loss']:.3f}); chat: {accs}."
+            )
+            continue
+        rewarded = m["provenance"].get("params", {}).get(m["provenance"].get("stage"), {}).get("families")
+        reward = f", rewarding {', '.join(rewarded)}" if rewarded else ""
+        cost = e["val_loss"] - source["val_loss"]
+        sentence = (
+            f"- **{m['name']}** (from {parent[1]}{reward}) moved chat accuracy "
+            + ", ".join(change(source["chat"], e["chat"], f) for f in families)
+            + f", and the val loss {source['val_loss']:.3f} → {e['val_loss']:.3f} ({cost:+.3f} nats)"
+        )
+        if "chat_sampled" in e and "chat_sampled" in source:
+            sampled = ", ".join(change(source["chat_sampled"], e["chat_sampled"], f) for f in families)
+            sentence += f"; sampled at T={e['chat_sampled']['temperature']:g}: {sampled}"
+        out.append(sentence + ".")
+    return out
+
+
 def lineage_lines(m: dict) -> list[str]:
     prov = m["provenance"]
     git = prov.get("git", {})
@@ -136,6 +228,7 @@ def render(runs: Path, models: list[str], figures: Path, report_path: Path, benc
         "Base models report the better of the completion and chat formats; tuned models report chat.",
         "",
     ]
+    out += ["## Stage by stage", "", *stage_table(summaries), "", *stage_sentences(summaries), ""]
     out += ["## Models", "", *model_table(summaries), "", "### Accuracy per task family", "", *family_table(summaries)]
     if benchmark:
         env = benchmark.get("environment", {})
