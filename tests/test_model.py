@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from stagelm.config import PROJECTIONS
-from stagelm.model import Decoder, DecoderConfig, Projection, count_params, flops_per_token, rope
+from stagelm.model import Decoder, DecoderConfig, Projection, count_params, flops_per_token, rope, rotary
 
 CFG = DecoderConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -46,7 +46,7 @@ def test_rope_is_relative():
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
 
     def score(i, j):
-        return float(jnp.sum(rope(q, jnp.array([[i]]), 1e4) * rope(k, jnp.array([[j]]), 1e4)))
+        return float(jnp.sum(rope(q, rotary(jnp.array([[i]]), 8, 1e4)) * rope(k, rotary(jnp.array([[j]]), 8, 1e4))))
 
     assert score(7, 3) == pytest.approx(score(14, 10), abs=1e-5)
 

@@ -76,12 +76,34 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, rotate-half convention (Su et al., 2021). x: (B, T, H, Dh); positions: (B, T)."""
-    half = x.shape[-1] // 2
+class Rotary(NamedTuple):
+    """cos and sin of every position's rotary angles, (B, T, 1, Dh/2) float32."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rotary(positions: jax.Array, head_dim: int, theta: float) -> Rotary:
+    """The rotary tables of `positions` (B, T), computed once per forward pass for every layer.
+
+    XLA:CPU fuses an elementwise producer into each of its consumers: cos and sin written
+    inline were recomputed per head, per layer, forward and backward. It never fuses a
+    gather's table into the gather, so the tables are computed once and each row gathered
+    back through an index it cannot fold to the identity (a cumulative sum: an iota it
+    folds away). The values are the same bits; the tiny benchmark's step spends ~6% less time in
+    elementwise work (benchmarks/README.md)."""
+    half = head_dim // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, Dh/2)
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    cols = (jnp.cumsum(jnp.ones_like(positions), axis=1) - 1)[..., None]  # 0..T-1 in every row
+    cos, sin = (jnp.take_along_axis(table, cols, axis=1) for table in (jnp.cos(angles), jnp.sin(angles)))
+    return Rotary(cos[:, :, None, :], sin[:, :, None, :])
+
+
+def rope(x: jax.Array, rot: Rotary) -> jax.Array:
+    """Rotary embedding, rotate-half convention (Su et al., 2021). x: (B, T, H, Dh); rot: `rotary`."""
+    half = x.shape[-1] // 2
+    cos, sin = rot
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -217,22 +239,20 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def project_qkv(
-        self, x: jax.Array, positions: jax.Array, rng: jax.Array | None = None
+        self, x: jax.Array, rot: Rotary, rng: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         q = self.q(x, rng)  # (B, T, H, Dh)
         kv = self.kv(x, rng)  # (B, T, 2, K, Dh)
-        q = rope(q, positions, self.cfg.rope_theta)
-        k = rope(kv[:, :, 0], positions, self.cfg.rope_theta)
-        return q, k, kv[:, :, 1]
+        return rope(q, rot), rope(kv[:, :, 0], rot), kv[:, :, 1]
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        q, k, v = self.project_qkv(x, positions, rng)
+    def __call__(self, x: jax.Array, rot: Rotary, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+        q, k, v = self.project_qkv(x, rot, rng)
         y = constrain(attention(q, k, v, mask, causal=True), ("batch", "seq", "heads", "head_dim"))
         return self.o(y, rng)
 
-    def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
+    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
-        q, k, v = self.project_qkv(x, positions)
+        q, k, v = self.project_qkv(x, rot)
         start = (0, index, 0, 0)
         k_all = jax.lax.dynamic_update_slice(layer.k, k.astype(layer.k.dtype), start)
         v_all = jax.lax.dynamic_update_slice(layer.v, v.astype(layer.v.dtype), start)
@@ -263,14 +283,14 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.eps = cfg.norm_eps
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, rot: Rotary, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
-        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions, mask, attn_rng)
+        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, attn_rng)
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps), mlp_rng)
         return constrain(x, ("batch", "seq", "embed_act"))
 
-    def cached(self, x: jax.Array, positions: jax.Array, mask: jax.Array, layer: "LayerCache", index: jax.Array):
-        y, layer = self.attn.cached(rms_norm(x, self.attn_norm[...], self.eps), positions, mask, layer, index)
+    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
+        y, layer = self.attn.cached(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, layer, index)
         x = x + y
         return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), layer
 
@@ -298,12 +318,13 @@ class Decoder(nnx.Module):
         """Final-norm hidden states (B, T, D) of token rows (B, T); `rng` drives LoRA dropout when set."""
         x = self.embed_tokens(tokens)
         mask = row_causal_mask(segment_ids, positions)
+        rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
         for i, block in enumerate(self.blocks):
             key = None if rng is None else jax.random.fold_in(rng, i)
             if self.cfg.remat == "block":
-                x = nnx.remat(lambda b, x, key: b(x, positions, mask, key))(block, x, key)
+                x = nnx.remat(lambda b, x, key: b(x, rot, mask, key))(block, x, key)
             else:
-                x = block(x, positions, mask, key)
+                x = block(x, rot, mask, key)
         return rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -329,9 +350,10 @@ class Decoder(nnx.Module):
         pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
         mask = segment_causal_mask(segment_ids, seg, positions, pos)
         x = self.embed_tokens(tokens)
+        rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
         layers = []
         for block, layer in zip(self.blocks, cache.layers, strict=True):
-            x, layer = block.cached(x, positions, mask, layer, index)
+            x, layer = block.cached(x, rot, mask, layer, index)
             layers.append(layer)
         h = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
         return self.logits(h), KVCache(tuple(layers), seg, pos)
