@@ -90,8 +90,8 @@ def rotary(positions: jax.Array, head_dim: int, theta: float) -> Rotary:
     inline were recomputed per head, per layer, forward and backward. It never fuses a
     gather's table into the gather, so the tables are computed once and each row gathered
     back through an index it cannot fold to the identity (a cumulative sum: an iota it
-    folds away). The values are the same bits; the tiny benchmark's step spends ~6% less time in
-    elementwise work (benchmarks/README.md)."""
+    folds away). The values are the same bits, and the tiny benchmark step's op time falls
+    by about 6% (benchmarks/README.md)."""
     half = head_dim // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, Dh/2)
