@@ -66,7 +66,8 @@ def pretrain_claims(params: dict) -> None:
         f"pretrain: val loss {m['val_loss']:.3f} nats is under half the unigram entropy {unigram:.3f} nats",
     )
     worked = load("runs/eval/pretrain/metrics.json")["completion"]["arithmetic"]["accuracy"]
-    target(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
+    # held on seeds 0, 1 and 2 (0.963, 0.944, 0.892: README, "The default recipe, and why")
+    claim(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
 
 
 def model_stages() -> list[str]:
@@ -116,7 +117,7 @@ def sft_claims() -> None:
     arithmetic = sft["chat"]["arithmetic"]["accuracy"]
     target(arithmetic >= 0.90, f"sft: chat arithmetic {arithmetic:.3f} (>= 0.90)")
     cost = sft["val_loss"] - pre["val_loss"]
-    target(
+    claim(  # held on seeds 0, 1 and 2 (-0.001, -0.004, -0.003)
         cost <= 0.25,
         f"sft: corpus val loss {pre['val_loss']:.3f} → {sft['val_loss']:.3f} nats, {cost:+.3f} (<= +0.25)",
     )
@@ -126,7 +127,9 @@ def distill_claims(params: dict) -> None:
     m, prov = load("runs/distill/metrics.json"), load("runs/distill/provenance.json")
     claim(m["step"] == params["distill"]["steps"], f"distill: ran distill.steps={m['step']} steps")
     student, teacher = prov["student_params"], prov["teacher_params"]
-    claim(student < teacher, f"distill: the student has {student:,} params, fewer than the teacher's {teacher:,}")
+    claim(
+        2 * student <= teacher, f"distill: the student has {student:,} params, at most half the teacher's {teacher:,}"
+    )
 
 
 def grpo_claims(params: dict) -> None:

@@ -3,10 +3,12 @@
     python stages/distill.py --params params.yaml --teacher runs/sft/model --corpus data/packed/train \
         --sft data/packed/sft --val data/packed/val --out runs/distill --checkpoints runs/.checkpoints/distill
 
-The student has the shape `distill.student` (the teacher's tokenizer, RoPE and norms)
-and starts from scratch with `seed`. `distill.data` picks its rows: the packed corpus,
-the SFT conversations (assistant tokens only) or both. val/loss is the student's own
-next-token loss on the corpus val split.
+The student has the shape `distill.student` (the teacher's tokenizer, RoPE and norms).
+With `distill.init: teacher` it starts as the teacher pruned to that shape (its layers
+evenly spaced, each MLP's strongest units; stagelm.distill.student_from_teacher), with
+`scratch` from random weights drawn with `seed`. `distill.data` picks its rows: the
+packed corpus, the SFT conversations (assistant tokens only) or both. val/loss is the
+student's own next-token loss on the corpus val split.
 """
 
 import dataclasses
@@ -15,7 +17,15 @@ from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
 from stagelm.config import load_section, load_seed, section_dict
-from stagelm.distill import STUDENT, Distiller, distill_loss, student_lm_loss
+from stagelm.distill import (
+    STUDENT,
+    Distiller,
+    check_prunable,
+    distill_loss,
+    student_from_teacher,
+    student_lm_loss,
+    teacher_layers,
+)
 from stagelm.errors import StagelmError, run_main
 from stagelm.loader import MixedRows, PackedRows
 from stagelm.model import Decoder, count_params
@@ -36,6 +46,8 @@ def main() -> None:
             f"distill.student.vocab_size: {student.vocab_size} differs from the teacher's {teacher_cfg.vocab_size} "
             f"({args.teacher}); the student shares the teacher's tokenizer, set it to null"
         )
+    if cfg.init == "teacher":
+        check_prunable(student, teacher_cfg, args.teacher)
     tokenizer = args.teacher / "tokenizer.json"
     splits = {"corpus": [args.corpus], "sft": [args.sft], "both": [args.corpus, args.sft]}[cfg.data]
     packed = [PackedRows(d) for d in splits]
@@ -49,10 +61,16 @@ def main() -> None:
     fp = stage_fingerprint(__file__, read, inputs)
 
     student_cfg = dataclasses.replace(teacher_cfg, **student.shape())
-    model = Distiller(Decoder(student_cfg, nnx.Rngs(seed)), load_model(args.teacher))
+    teacher = load_model(args.teacher)
+    if cfg.init == "teacher":
+        model = Distiller(student_from_teacher(teacher, student_cfg), teacher)
+        layers = teacher_layers(teacher_cfg.n_layers, student_cfg.n_layers)
+        init = f"the teacher's layers {layers}, {student_cfg.d_ff} of {teacher_cfg.d_ff} MLP units"
+    else:
+        model, init = Distiller(Decoder(student_cfg, nnx.Rngs(seed)), teacher), "scratch"
     n_student, n_teacher = count_params(model.student), count_params(model.teacher)
     print(
-        f"distill: student {n_student:,} params from teacher {n_teacher:,}; alpha {cfg.alpha}, "
+        f"distill: student {n_student:,} params from teacher {n_teacher:,} (init: {init}); alpha {cfg.alpha}, "
         f"T {cfg.temperature}, data {cfg.data}; fingerprint {fp}",
         flush=True,
     )

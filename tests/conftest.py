@@ -75,7 +75,7 @@ MICRO = {
         "eval_batches": 2,
         "log_every": 2,
         "checkpoint_every": 5,
-        "student": {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 32, "vocab_size": None},
+        "student": {"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "d_ff": 32, "vocab_size": None},
     },
     "benchmark": {
         "vocab_size": 300,

@@ -1,4 +1,5 @@
-"""Distillation: alpha = 0 is the CE loss, the KL term vanishes on identical logits, the loss falls, the stage."""
+"""Distillation: alpha = 0 is the CE loss, the KL term vanishes on identical logits, a pruned student is the
+teacher cut down, the loss falls, the stage."""
 
 import dataclasses
 import sys
@@ -11,10 +12,10 @@ from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, run_i
 from flax import nnx
 
 from stagelm.config import load_section
-from stagelm.distill import STUDENT, Distiller, distill_loss, soft_kl
+from stagelm.distill import STUDENT, Distiller, distill_loss, mlp_units, soft_kl, student_from_teacher, teacher_layers
 from stagelm.files import read_json
 from stagelm.loader import MixedRows, PackedRows, batch_iterator
-from stagelm.model import Decoder, DecoderConfig
+from stagelm.model import Decoder, DecoderConfig, count_params
 from stagelm.modeldir import load_model
 from stagelm.trainstep import init_state, lm_loss, make_optimizer, make_train_step
 
@@ -54,6 +55,37 @@ def test_kl_and_its_gradient_vanish_when_the_student_is_the_teacher(micro_data):
     # and it is a real KL: positive for different logits, zero only at equality
     a, b = jax.random.normal(jax.random.key(0), (2, 5, 7))
     assert float(soft_kl(a, a, 2.0).max()) < 1e-6 and float(soft_kl(a, b, 2.0).min()) > 0
+
+
+def test_a_student_pruned_to_the_teachers_own_shape_is_the_teacher(micro_data):
+    teacher = Decoder(dataclasses.replace(TEACHER, tie_embeddings=False), nnx.Rngs(1))
+    student = student_from_teacher(teacher, teacher.cfg)
+    for x, y in zip(jax.tree.leaves(nnx.state(student)), jax.tree.leaves(nnx.state(teacher)), strict=True):
+        np.testing.assert_array_equal(x, y)
+    batch = batch_of(micro_data)
+    args = (batch["tokens"], batch["segment_ids"], batch["positions"])
+    np.testing.assert_array_equal(student(*args), teacher(*args))
+
+
+def test_a_pruned_student_keeps_the_teachers_strongest_units_and_outlying_layers():
+    teacher = Decoder(dataclasses.replace(TEACHER, n_layers=4), nnx.Rngs(1))
+    assert teacher_layers(4, 2) == [0, 3] and teacher_layers(4, 4) == [0, 1, 2, 3] and teacher_layers(4, 1) == [0]
+    cfg = dataclasses.replace(teacher.cfg, n_layers=2, d_ff=24)
+    student = student_from_teacher(teacher, cfg)
+    assert count_params(student) < count_params(teacher) / 2
+    x = jax.random.normal(jax.random.key(2), (2, 5, TEACHER.d_model))
+    for mine, index in zip(student.blocks, [0, 3], strict=True):
+        theirs = teacher.blocks[index]
+        np.testing.assert_array_equal(mine.attn.kv.w[...], theirs.attn.kv.w[...])
+        gate_up, down = np.asarray(theirs.mlp.gate_up.w[...]), np.asarray(theirs.mlp.down.w[...])
+        units = mlp_units(gate_up, down, 24)
+        score = np.linalg.norm(gate_up[:, 0], axis=0) * np.linalg.norm(gate_up[:, 1], axis=0)
+        score *= np.linalg.norm(down, axis=1)
+        dropped = np.setdiff1d(np.arange(TEACHER.d_ff), units)
+        assert len(units) == 24 and score[units].min() >= score[dropped].max()
+        # the student's MLP is the teacher's with the dropped units silenced
+        theirs.mlp.down.w[...] = jnp.asarray(down).at[dropped].set(0)
+        np.testing.assert_allclose(mine.mlp(x), theirs.mlp(x), rtol=1e-5, atol=1e-6)
 
 
 def run_steps(model, trainable, loss_fn, rows, steps=30):
@@ -154,6 +186,35 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp
         (
             {"student": {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 32, "vocab_size": 999}},
             "distill.student.vocab_size: 999 differs from the teacher's",
+        ),
+        ({"init": "pruned"}, "distill.init: expected one of 'scratch', 'teacher', got 'pruned'"),
+        (
+            {
+                "init": "teacher",
+                "student": {
+                    "d_model": 16,
+                    "n_layers": 1,
+                    "n_heads": 2,
+                    "n_kv_heads": 1,
+                    "d_ff": 32,
+                    "vocab_size": None,
+                },
+            },
+            "distill.student.d_model: 16 differs from the teacher's 32",
+        ),
+        (
+            {
+                "init": "teacher",
+                "student": {
+                    "d_model": 32,
+                    "n_layers": 3,
+                    "n_heads": 4,
+                    "n_kv_heads": 2,
+                    "d_ff": 32,
+                    "vocab_size": None,
+                },
+            },
+            "distill.student.n_layers: 3 is more than the teacher's 2",
         ),
     ],
 )

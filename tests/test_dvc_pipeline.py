@@ -85,6 +85,7 @@ def test_full_repro_produced_every_artifact(project):
     opening = report.split("## Models")[0]  # the stage-by-stage table and one sentence per stage
     assert "| sft | pretrain |" in opening and "| distill | sft (teacher) |" in opening
     assert "- **sft** (from pretrain) moved chat accuracy arithmetic" in opening
+    assert "student (" in opening and "cut from its teacher then distilled" in opening  # distill.init: teacher
     assert "- **grpo** (from sft, rewarding arithmetic) moved" in opening and "sampled at T=1" in opening
     assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
     assert (project / "runs/report/grpo_reward.png").is_file()
@@ -93,16 +94,28 @@ def test_full_repro_produced_every_artifact(project):
     assert run(["git", "diff", "--exit-code", "dvc.yaml"], project, check=False).returncode == 0  # nothing rewrote it
 
 
-def test_noop_repro_runs_nothing_and_is_quick(project):
-    assert status(project) == {}
-    # CPU seconds of the `dvc repro` process tree, not wall time: the other xdist worker
-    # shares the two cores, and a wall clock then measures its load (CI saw 5.15 s).
+def cpu_seconds(cmd: list[str], project) -> tuple[str, float]:
+    """(stdout, user + system CPU seconds of the command's process tree)."""
     before = os.times()
-    out = run(["dvc", "repro"], project).stdout
+    out = run(cmd, project).stdout
     after = os.times()
-    assert "Running stage" not in out
-    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-    assert cpu < 5, f"a no-op repro used {cpu:.1f} CPU seconds"
+    return out, (after.children_user - before.children_user) + (after.children_system - before.children_system)
+
+
+def test_noop_repro_runs_nothing_and_is_quick(project):
+    # Measured against `dvc status` on the same project, in CPU seconds (the better of two
+    # runs each): DVC's own start-up and dependency checks cost 3-5 CPU s here, more when
+    # the other xdist worker shares the cores (a fixed 5 s bound failed at 5.0), and a
+    # no-op repro does little beyond them (1.3-1.5x a status, measured).
+    checks, repros = [], []
+    for _ in range(2):
+        listed, cpu = cpu_seconds(["dvc", "status", "--json"], project)
+        assert json.loads(listed or "{}") == {}
+        checks.append(cpu)
+        out, cpu = cpu_seconds(["dvc", "repro"], project)
+        assert "Running stage" not in out
+        repros.append(cpu)
+    assert min(repros) < 2 * min(checks), f"a no-op repro used {min(repros):.1f} CPU s, `dvc status` {min(checks):.1f}"
 
 
 def test_a_rerun_that_changes_no_byte_reruns_nothing_below_it(project):

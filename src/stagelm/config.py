@@ -260,6 +260,9 @@ class DistillConfig(TrainingConfig):
     alpha: float = checked(UNIT)  # weight of the soft (KL) term; 1 - alpha goes to the hard CE
     temperature: float = checked(POSITIVE)
     data: str = checked(one_of("corpus", "sft", "both"))
+    # scratch: the student starts from random weights (seed); teacher: from the teacher's own
+    # weights, pruned to the student's shape (distill.student_from_teacher)
+    init: str = checked(one_of("scratch", "teacher"))
     student: StudentConfig
 
 

@@ -189,9 +189,12 @@ def stage_sentences(models: list[dict]) -> list[str]:
             accs = ", ".join(
                 f"{f} {e['chat'][f]['accuracy']:.3f} (teacher {source['chat'][f]['accuracy']:.3f})" for f in families
             )
+            pruned = m["provenance"].get("params", {}).get("distill", {}).get("init") == "teacher"
+            how = "cut from its teacher" if pruned else "from random weights,"
             out.append(
                 f"- **{m['name']}** trained a {m['params_count']:,}-parameter student ({share:.0%} of its teacher "
-                f"{parent[1]}) to a val loss of {e['val_loss']:.3f} (teacher {source['val_loss']:.3f}); chat: {accs}."
+                f"{parent[1]}; {how} then distilled) to a val loss of {e['val_loss']:.3f} "
+                f"(teacher {source['val_loss']:.3f}); chat: {accs}."
             )
             continue
         rewarded = m["provenance"].get("params", {}).get(m["provenance"].get("stage"), {}).get("families")
