@@ -17,24 +17,23 @@ and why", has what the default run and the tried corpus changes give.
 
 import argparse
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
+from stagelm.grpo import token_logprobs
 from stagelm.modeldir import load_model
 from stagelm.tasks.words import NAMES
 
 NAME_TOKENS = {"Ġ" + n for n in NAMES} | set(NAMES)
 
 
-def token_logprobs(model, ids: list[int]) -> np.ndarray:
+def document_logprobs(model, ids: list[int]) -> np.ndarray:
     """log p(token i | tokens < i) for i >= 1, as (len(ids) - 1,)."""
     x = jnp.asarray([ids], jnp.int32)
-    logits = model(x, jnp.ones_like(x), jnp.arange(len(ids), dtype=jnp.int32)[None])[0].astype(jnp.float32)
-    lp = jax.nn.log_softmax(logits[:-1], axis=-1)
-    return np.asarray(jnp.take_along_axis(lp, x[0, 1:, None], axis=-1)[:, 0])
+    logits = model(x, jnp.ones_like(x), jnp.arange(len(ids), dtype=jnp.int32)[None])[0]
+    return np.asarray(token_logprobs(logits[:-1], x[0, 1:]))
 
 
 def sheet_slots(tokens: list[str]) -> list[tuple[int, str]]:
@@ -82,7 +81,7 @@ def main() -> None:
     for texts_, slots_of in ((sheets, sheet_slots), (stories, story_slots)):
         for text in texts_:
             enc = tok.encode(text)
-            lp = token_logprobs(model, enc.ids)
+            lp = document_logprobs(model, enc.ids)
             for index, kind in slots_of(enc.tokens):
                 found.setdefault(kind, []).append(float(lp[index - 1]))
     print("| tokens | n | mean log p | share with p > 0.5 |\n|---|---|---|---|")
