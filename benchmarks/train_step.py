@@ -4,12 +4,17 @@
     python benchmarks/train_step.py --reps 20 --dtype bfloat16
 
 Prints one JSON line: median tokens/s over timed steps after warm-up, first-call
-(compile) time apart. Run it back to back with ../shared/bench/torch_reference.py
-(see benchmarks/README.md) and compare medians from the same run.
+(compile) time apart, and the timed steps' page faults and kernel time. It starts itself
+again with huge pages for malloc as the stages do (src/stagelm/hugepages.py);
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=0` times it without. Run it back to back with
+../shared/bench/torch_reference.py (see benchmarks/README.md) and compare medians from
+the same run.
 """
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import time
 
@@ -18,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from stagelm.benchmark import bench_optimizer
+from stagelm.hugepages import restart_with_huge_pages
 from stagelm.model import Decoder, DecoderConfig, flops_per_token
 from stagelm.trainstep import init_state, make_optimizer, make_train_step
 
@@ -28,6 +34,7 @@ PRESETS = {
 
 
 def main() -> None:
+    restart_with_huge_pages()  # as every stage runs (src/stagelm/hugepages.py)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--dtype", default="float32")
@@ -54,13 +61,17 @@ def main() -> None:
     state, m = step(state, frozen, b)
     jax.block_until_ready(m)
     first = time.perf_counter() - t0
-    times = []
+    times, usage = [], []
     for i in range(args.warmup + args.reps):
+        if i == args.warmup:
+            usage.append(resource.getrusage(resource.RUSAGE_SELF))
         t0 = time.perf_counter()
         state, m = step(state, frozen, b)
         jax.block_until_ready(m)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    usage.append(resource.getrusage(resource.RUSAGE_SELF))
+    before, after = usage
     n = batch * seq_len
     median = statistics.median(times)
     print(
@@ -72,6 +83,11 @@ def main() -> None:
                 "tokens_per_sec_max": n / min(times),
                 "seconds_median": median,
                 "first_call_seconds": first,
+                # per timed step: page faults and kernel time (src/stagelm/hugepages.py)
+                "minor_faults_per_step": (after.ru_minflt - before.ru_minflt) / len(times),
+                "system_seconds_per_step": (after.ru_stime - before.ru_stime) / len(times),
+                "user_seconds_per_step": (after.ru_utime - before.ru_utime) / len(times),
+                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
                 "reps": len(times),
                 "gflop_per_sec_median": flops_per_token(cfg, seq_len) * n / median / 1e9,
                 "jax": jax.__version__,
