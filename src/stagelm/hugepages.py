@@ -6,8 +6,9 @@ memory: one page fault per 4 KiB page. The tiny benchmark step took about 166,00
 and 0.5 s of kernel time a step on a 2-core AVX2 machine (benchmarks/README.md). With
 `glibc.malloc.hugetlb=1` in GLIBC_TUNABLES (glibc 2.35 and later) malloc advises the
 kernel to back its mappings with 2 MiB pages where the kernel's transparent-huge-page
-mode is `madvise`: the same step took under a thousand faults and ran about a quarter
-faster. The bytes computed are the same; only how memory is mapped changes.
+mode is `madvise`: the same step took under a thousand faults and ran up to a third
+faster (−4 to +9% on a busier state of that machine). The bytes computed are the same;
+only how memory is mapped changes.
 
 glibc reads GLIBC_TUNABLES once, as the process starts, so `restart_with_huge_pages`
 starts the entry point again (os.execve: the same pid, arguments and open files) with
