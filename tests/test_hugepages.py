@@ -21,9 +21,8 @@ def run_child(code: str, tunables: str | None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     if tunables is not None:
         env["GLIBC_TUNABLES"] = tunables
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), "a b", "--flag"], env=env, text=True,
-                         capture_output=True, check=True)  # fmt: skip
-    return out.stdout
+    cmd = [sys.executable, "-c", textwrap.dedent(code), "a b", "--flag"]
+    return subprocess.run(cmd, env=env, text=True, capture_output=True, check=True).stdout
 
 
 def test_huge_pages_help_only_where_the_tunable_changes_something():
