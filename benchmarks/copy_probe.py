@@ -17,23 +17,39 @@ and why", has what the default run and the tried corpus changes give.
 
 import argparse
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
-from tokenizers import Tokenizer
+from flax import nnx
 
 from stagelm.grpo import token_logprobs
 from stagelm.modeldir import load_model
 from stagelm.tasks.words import NAMES
+from stagelm.tokenizer import load_tokenizer
 
 NAME_TOKENS = {"Ġ" + n for n in NAMES} | set(NAMES)
 
 
-def document_logprobs(model, ids: list[int]) -> np.ndarray:
-    """log p(token i | tokens < i) for i >= 1, as (len(ids) - 1,)."""
-    x = jnp.asarray([ids], jnp.int32)
-    logits = model(x, jnp.ones_like(x), jnp.arange(len(ids), dtype=jnp.int32)[None])[0]
-    return np.asarray(token_logprobs(logits[:-1], x[0, 1:]))
+def make_scorer(model, length: int):
+    """ids → log p(token i | tokens < i) for i >= 1, as (len(ids) - 1,). One compiled forward
+    pass for every document: each is padded to `length` with a segment of its own, which
+    the causal mask keeps from changing the document's logits."""
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def logprobs(params, x: jax.Array, segments: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, params)(x, segments, jnp.arange(length, dtype=jnp.int32)[None])[0]
+        return token_logprobs(logits[:-1], x[0, 1:])
+
+    def score(ids: list[int]) -> np.ndarray:
+        x = np.zeros((1, length), np.int32)
+        x[0, : len(ids)] = ids
+        segments = np.zeros((1, length), np.int32)
+        segments[0, : len(ids)] = 1
+        return np.asarray(logprobs(params, x, segments))[: len(ids) - 1]
+
+    return score
 
 
 def sheet_slots(tokens: list[str]) -> list[tuple[int, str]]:
@@ -72,16 +88,17 @@ def main() -> None:
     args = parser.parse_args()
 
     model = load_model(args.model)
-    tok = Tokenizer.from_file(f"{args.model}/tokenizer.json")
+    tok = load_tokenizer(f"{args.model}/tokenizer.json")
     texts = pq.read_table(f"{args.raw}/corpus_val.parquet", columns=["text"]).column("text").to_pylist()
     sheets = [t for t in texts if "with the word" in t][: args.documents]
     stories = [t for t in texts if "with the word" not in t and "Work out" not in t][: args.documents]
 
+    score = make_scorer(model, max(len(tok.encode(t).ids) for t in sheets + stories))
     found: dict[str, list[float]] = {}
     for texts_, slots_of in ((sheets, sheet_slots), (stories, story_slots)):
         for text in texts_:
             enc = tok.encode(text)
-            lp = document_logprobs(model, enc.ids)
+            lp = score(enc.ids)
             for index, kind in slots_of(enc.tokens):
                 found.setdefault(kind, []).append(float(lp[index - 1]))
     print("| tokens | n | mean log p | share with p > 0.5 |\n|---|---|---|---|")
