@@ -66,11 +66,11 @@ def test_on_policy_update_is_exactly_the_policy_gradient():
         lp = token_logprobs(m(inputs["tokens"], inputs["segment_ids"], inputs["positions"]), targets)
         return -jnp.sum(adv * lp * mask) / jnp.sum(mask)
 
-    (value, aux), grads = jax.value_and_grad(grpo, has_aux=True)(params)
+    (value, aux), grads = jax.jit(jax.value_and_grad(grpo, has_aux=True))(params)
     assert float(aux["ratio"]) == float(jnp.sum(mask))  # every ratio is exactly 1
     assert float(aux["clip_fraction"]) == 0.0
     np.testing.assert_allclose(float(value), float(-jnp.sum(adv * mask) / jnp.sum(mask)), rtol=1e-6)
-    expected = jax.grad(reinforce)(params)
+    expected = jax.jit(jax.grad(reinforce))(params)
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(g, e, atol=1e-7, rtol=1e-5)
 

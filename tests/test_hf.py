@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, micro_params, run, write_params
+from conftest import ROOT, forward, micro_params, run, write_params
 from flax import nnx
 
 from stagelm.errors import StagelmError
@@ -41,7 +41,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_greedy_tokens(mic
     assert hf.config.tie_word_embeddings == tie and hf.config.num_key_value_heads == 2
     ids = ids_of(micro_data)
     t = np.array([ids], np.int32)
-    ours = np.asarray(model(t, np.ones_like(t), np.arange(len(ids))[None]))
+    ours = np.asarray(forward(model, t, np.ones_like(t), np.arange(len(ids))[None]))
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)

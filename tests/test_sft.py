@@ -5,7 +5,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
+from conftest import ROOT, forward, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
 from flax import nnx
 
 from stagelm.config import LoraConfig, load_section
@@ -57,8 +57,9 @@ def test_merged_equals_unmerged(micro_data):
     assert merged.cfg.lora_rank == 0
     tokens = PackedRows(micro_data / "packed/sft")[0]
     args = (tokens["tokens"][None, :-1], tokens["segment_ids"][None, :-1], tokens["positions"][None, :-1])
-    np.testing.assert_allclose(model(*args), merged(*args), atol=2e-5)
-    assert not np.allclose(model(*args), Decoder(CFG, nnx.Rngs(0))(*args), atol=1e-3)  # adapters did change it
+    np.testing.assert_allclose(forward(model, *args), forward(merged, *args), atol=2e-5)
+    base = Decoder(CFG, nnx.Rngs(0))
+    assert not np.allclose(forward(model, *args), forward(base, *args), atol=1e-3)  # adapters did change it
 
 
 def test_lora_dropout_only_in_training():

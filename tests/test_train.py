@@ -17,6 +17,12 @@ from stagelm.trainstep import decay_mask, init_state, lm_loss, lr_schedule, make
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
 
+@nnx.jit
+def loss_of(model, batch):
+    """lm_loss as the train step runs it: one jitted pass (op by op, each op would compile on its own)."""
+    return lm_loss(model, batch, None)
+
+
 def training(**overrides):
     return dataclasses.replace(load_section(micro_params(), "training"), **overrides)
 
@@ -55,13 +61,13 @@ def test_loss_ignores_padding_and_document_boundaries():
     tokens = jnp.array([[5, 6, 7, 2, 9, 10, 2, 0, 0]])
     seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]])
     pos = jnp.array([[0, 1, 2, 3, 0, 1, 2, 0, 0]])
-    loss, weight = lm_loss(model, {"tokens": tokens, "segment_ids": seg, "positions": pos}, None)
+    loss, weight = loss_of(model, {"tokens": tokens, "segment_ids": seg, "positions": pos})
     assert float(weight) == 5  # 5→6, 6→7, 7→eos, 9→10, 10→eos; not eos→9, not into padding
     changed = tokens.at[0, 4].set(11)  # the first token of doc 2 is never a target
-    loss2, _ = lm_loss(model, {"tokens": changed, "segment_ids": seg, "positions": pos}, None)
+    loss2, _ = loss_of(model, {"tokens": changed, "segment_ids": seg, "positions": pos})
     assert float(loss2) != float(loss)  # it is an input though
     pad_changed = tokens.at[0, 8].set(33)
-    loss3, _ = lm_loss(model, {"tokens": pad_changed, "segment_ids": seg, "positions": pos}, None)
+    loss3, _ = loss_of(model, {"tokens": pad_changed, "segment_ids": seg, "positions": pos})
     assert float(loss3) == float(loss)
 
 
@@ -76,14 +82,12 @@ def test_loss_mask_limits_the_loss_to_marked_targets():
         "positions": jnp.arange(10)[None],
         "loss_mask": mask,
     }
-    loss, weight = lm_loss(model, batch, None)
+    loss, weight = loss_of(model, batch)
     assert float(weight) == 3
     user_target = {**batch, "tokens": tokens.at[0, 9].set(77)}
-    assert float(lm_loss(model, user_target, None)[0]) == float(loss)
-    trained_target = {**batch, "loss_mask": mask.at[0, 9].set(1), "tokens": tokens.at[0, 9].set(77)}
-    assert float(lm_loss(model, trained_target, None)[0]) != float(
-        lm_loss(model, {**batch, "loss_mask": mask.at[0, 9].set(1)}, None)[0]
-    )
+    assert float(loss_of(model, user_target)[0]) == float(loss)
+    trained = {**batch, "loss_mask": mask.at[0, 9].set(1)}
+    assert float(loss_of(model, {**trained, "tokens": tokens.at[0, 9].set(77)})[0]) != float(loss_of(model, trained)[0])
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "wsd"])
