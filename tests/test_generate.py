@@ -101,6 +101,8 @@ def test_sampling_filters():
     assert set(draws(1.0, 2, 1.0)) == {0, 1}  # top-k 2
     assert set(draws(1.0, 0, 0.7)) == {0, 1}  # nucleus: 0.5 + 0.3 reaches 0.7
     assert set(draws(1.0, 0, 0.01)) == {0}  # at least one token survives
+    # No cut (top_k 0, top_p 1) skips the sort: the same draws as the sorted path whose cut keeps all four.
+    np.testing.assert_array_equal(draws(1.0, 0, 1.0), draws(1.0, 4, 1.0))
     counts = np.bincount(draws(1.0, 0, 1.0), minlength=4) / len(keys)
     np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.04)
 

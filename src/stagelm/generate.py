@@ -62,7 +62,7 @@ def sample_tokens(
     """(B,) next tokens from (B, V) logits: greedy at temperature 0, else top-k, then top-p (nucleus)."""
     logits = logits.astype(jnp.float32)
 
-    def sample(logits: jax.Array) -> jax.Array:
+    def filtered(logits: jax.Array) -> jax.Array:
         scaled = logits / temperature
         ranked = -jnp.sort(-scaled, axis=-1)  # descending
         vocab = logits.shape[-1]
@@ -77,10 +77,18 @@ def sample_tokens(
         scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
         return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
+    def plain(logits: jax.Array) -> jax.Array:
+        return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+    def sample(logits: jax.Array) -> jax.Array:
+        return jax.lax.cond((top_k == 0) & (top_p >= 1), plain, filtered, logits)
+
     def greedy(logits: jax.Array) -> jax.Array:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    # A branch, not a select: greedy decoding skips the sort over the vocabulary.
+    # Branches, not selects: greedy decoding, and sampling with no top-k or top-p cut (GRPO's
+    # rollouts, eval's sampled answers), skip the sort over the vocabulary, which on a CPU
+    # costs more than the model's own decode step at a batch of 256.
     return jax.lax.cond(temperature > 0, sample, greedy, logits)
 
 
@@ -111,9 +119,12 @@ class Generator:
 
     # --- pure functions (jitted above) ---------------------------------------------------
 
-    def _prefill_fn(self, params: Any, tokens: jax.Array, seg: jax.Array, pos: jax.Array) -> tuple:
+    def _prefill_fn(
+        self, params: Any, tokens: jax.Array, seg: jax.Array, pos: jax.Array, slots: int | None = None
+    ) -> tuple:
+        """The prompts' last logits and a cache of `slots` slots (default: the capacity) holding them."""
         model = nnx.merge(self.graphdef, params)
-        cache = init_cache(model.cfg, tokens.shape[0], self.capacity)
+        cache = init_cache(model.cfg, tokens.shape[0], slots or self.capacity)
         logits, cache = model.cached(tokens, seg, pos, cache, jnp.int32(0))
         return logits[:, -1], cache
 
@@ -134,8 +145,11 @@ class Generator:
         sampling: dict,
         max_new: int,
     ) -> tuple[jax.Array, jax.Array]:
-        logits, cache = self._prefill_fn(params, tokens, seg, pos)
+        # The cache holds what this call can reach, the prompt width plus max_new: every decode
+        # step attends over those slots only, not the whole capacity (the masked slots beyond
+        # would add nothing to a row's softmax but their cost).
         batch, width = tokens.shape
+        logits, cache = self._prefill_fn(params, tokens, seg, pos, width + max_new)
         next_pos = pos[:, -1] + 1
         out = jnp.zeros((batch, max_new), jnp.int32)
         done = jnp.zeros(batch, bool)
