@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import BIN, ROOT, env_with_venv, micro_params, run, write_params
+from conftest import BIN, ROOT, TEST_XLA_FLAGS, env_with_venv, micro_params, run, write_params
 from test_pretrain_stage import command, history
 
 from stagelm.files import read_json
@@ -29,7 +29,8 @@ def free_port() -> int:
 
 
 def env(devices: int, **extra: str) -> dict:
-    return {**env_with_venv(), "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+    flags = f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}"
+    return {**env_with_venv(), "XLA_FLAGS": flags, **extra}
 
 
 def launch_two(cmd: list[str], cwd) -> list[subprocess.CompletedProcess]:
