@@ -130,13 +130,14 @@ def test_a_rerun_that_changes_no_byte_reruns_nothing_below_it(project):
 
 
 def test_eval_and_sample_params_rerun_only_their_stages(project):
+    # What an eval.* edit reruns is seen running in test_queued_experiments_both_finish_and_differ.
+    write_params(project / "params.yaml", micro_params(eval={"max_examples": 20}))
+    assert set(status(project)) == {"params"} | {f"eval@{m}" for m in MODELS}  # the params stage reads the whole file
     write_params(project / "params.yaml", micro_params(sample={"temperature": 0.7}))
     samples = {f"sample@{m}" for m in MODELS}
-    assert set(status(project)) == {"params"} | samples  # the params stage reads the whole file
+    assert set(status(project)) == {"params"} | samples
     assert repro_ran(project) == {"params"} | samples | {"report"}
-    params = micro_params(sample={"temperature": 0.7}, eval={"max_examples": 20})
-    write_params(project / "params.yaml", params)
-    assert repro_ran(project) == {"params"} | {f"eval@{m}" for m in MODELS} | {"report"}
+    params = micro_params(sample={"temperature": 0.7})
     params["benchmark"] = {**params["benchmark"], "repetitions": 11}
     write_params(project / "params.yaml", params)
     assert set(status(project)) == {"params", "benchmark"}
@@ -297,13 +298,23 @@ def test_a_pushed_model_is_evaluated_elsewhere_without_retraining(project, tmp_p
     assert "Running stage 'pretrain'" not in out
 
 
-def test_queued_experiments_both_finish_and_differ(project):
+def test_queued_experiments_both_finish_and_differ(project, tmp_path):
     # eval.* reruns only the evals and the report: two queued experiments cost two short runs
     (project / "notes.txt").write_text("a new file, staged before queueing\n")
     run(["git", "add", "notes.txt"], project)
     for n in (10, 20):
         run(["dvc", "exp", "run", "--queue", "-n", f"eval{n}", "-S", f"eval.max_examples={n}"], project)
-    run(["dvc", "exp", "run", "--run-all", "--jobs", "1"], project, timeout=900)
+    # Into a file, not a pipe: the queue's worker inherits the command's output and outlives it
+    # by its idle timeout (10 s), so a pipe would stay open, and the test wait, until it exits.
+    log = tmp_path / "run-all.log"
+    with log.open("w") as out:
+        cmd = ["dvc", "exp", "run", "--run-all", "--jobs", "1"]
+        done = subprocess.run(cmd, cwd=project, env=env_with_venv(), stdout=out, stderr=subprocess.STDOUT, timeout=900)
+    followed = log.read_text()  # each experiment's own log, one after the other
+    assert done.returncode == 0, followed
+    ran = [line.split("'")[1] for line in followed.splitlines() if line.startswith("Running stage")]
+    each = ["params", *(f"eval@{m}" for m in MODELS), "report"]
+    assert sorted(ran) == sorted(2 * each), ran  # an eval.* edit runs the evals and the report, nothing else
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
     revs = [r for e in shown[1]["experiments"] for r in e["revs"]]
     by_name = {r["name"]: r["data"]["metrics"]["runs/eval/pretrain/metrics.json"]["data"] for r in revs}
