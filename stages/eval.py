@@ -25,6 +25,7 @@ from stagelm.evaluation import (
 from stagelm.files import atomic_write_bytes, write_json
 from stagelm.generate import Generator
 from stagelm.loader import PackedRows
+from stagelm.memory import kv_cache_bytes, require_memory
 from stagelm.meshbatch import check_batch
 from stagelm.modeldir import load_model, read_model_context
 from stagelm.rawdata import read_raw
@@ -55,6 +56,8 @@ def main() -> None:
     capacity = max(context, longest + cfg.max_new_tokens)
     if capacity > context:
         print(f"eval@{args.name}: eval prompts need {capacity} positions, beyond the trained context of {context}")
+    what = f"a KV cache of eval.task_batch_size {cfg.task_batch_size} × {capacity} positions"
+    require_memory(kv_cache_bytes(model.cfg, cfg.task_batch_size, capacity), "eval.max_new_tokens", what)
     gen = Generator(model, tok, capacity)
     records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
     metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)

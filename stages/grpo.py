@@ -21,6 +21,7 @@ from stagelm.generate import Generator
 from stagelm.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.loader import PackedRows
 from stagelm.lora import add_lora, merge_lora
+from stagelm.memory import kv_cache_bytes, require_memory
 from stagelm.model import count_params
 from stagelm.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
 from stagelm.tasks import require_families
@@ -50,6 +51,9 @@ def main() -> None:
     if cfg.method == "lora":  # the reference stays the base: adapters start at zero
         model, trainable = add_lora(model, cfg.lora, nnx.Rngs(seed), "grpo.lora"), nnx.LoRAParam
     context = read_model_context(args.model)
+    rows = cfg.prompts_per_step * cfg.group_size
+    what = f"the rollouts' KV cache of {rows} samples × {context} positions"
+    require_memory(kv_cache_bytes(model.cfg, rows, context), "grpo.group_size", what)
     gen = Generator(model, load_tokenizer(tokenizer_file), context)
     rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed, anchor)
 

@@ -7,20 +7,25 @@ ranges of each corpus split's documents into its own shards (`shard-PPP-NNNNN.ar
 when all are done, process 0 writes each split's manifest, listing the shards in
 process order. So the rows are the single process's, except that each process pads
 its own last row. The SFT split is small and packed by process 0 alone.
+
+Everything is written into a folder beside the output (`.packed.partial`), which
+replaces the output only when all three splits are done: a failed or killed pack (a
+full disk, a bad document) leaves the previous train, val and sft as they were.
 """
 
+import shutil
 from pathlib import Path
+from typing import Any
 
 from stagelm import distributed
 from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
-from stagelm.files import read_json, sha256_file, write_json
+from stagelm.files import read_json, replace_folder, sha256_file, write_json
+from stagelm.memory import host_available, require_memory
 from stagelm.pack import ShardWriter, pack_chats, pack_corpus, write_manifest, write_split
 from stagelm.rawdata import iter_column, read_raw
 from stagelm.stage import beside, start
 from stagelm.tokenizer import load_tokenizer
-
-SPLITS = ("train", "val", "sft")
 
 
 def main() -> None:
@@ -28,31 +33,47 @@ def main() -> None:
     args = stage.args
     cfg = load_section(stage.params, "pack")
     index, count = distributed.join()
-    for split in SPLITS:  # from here until each split's new manifest, no split looks packed
-        (args.out / split / "manifest.json").unlink(missing_ok=True)
-    tok_path = args.tokenizer / "tokenizer.json"
+    staging = args.out.with_name(f".{args.out.name}.partial")
+    if index == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
+    distributed.barrier(f"pack {staging}")
+    try:
+        pack_splits(cfg, args.raw, args.tokenizer, staging, index, count)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if index != 0:
+        return
+    replace_folder(staging, args.out)
+    inputs = {"raw": args.raw, "tokenizer": args.tokenizer / "tokenizer.json"}
+    stage.record(beside(args.out), {"pack": section_dict(cfg)}, inputs, {"processes": count})
+
+
+def pack_splits(cfg: Any, raw: Path, tokenizer: Path, out: Path, index: int, count: int) -> None:
+    """Pack the train and val corpus (this process's share) and, at process 0, the SFT chats into `out`."""
+    tok_path = tokenizer / "tokenizer.json"
     tok = load_tokenizer(tok_path)
     vocab, row_len = tok.get_vocab_size(), cfg.seq_len + 1  # seq_len inputs plus the last shifted target
+    # a shard's rows, in up to four int32 columns, held about three times over while it is cut and written
+    need = 3 * 4 * 4 * cfg.rows_per_shard * row_len
+    what = f"a shard of pack.rows_per_shard {cfg.rows_per_shard} rows × {row_len} tokens"
+    require_memory(need, "pack.seq_len", what, have=host_available())
     meta = {"tokenizer_sha256": sha256_file(tok_path), "vocab_size": vocab, "seq_len": cfg.seq_len}
 
     for split in ("train", "val"):  # streamed: documents in batches, shards written as they fill
-        out = args.out / split
-        texts = iter_column(args.raw, f"corpus_{split}", "text", share=(index, count))
+        texts = iter_column(raw, f"corpus_{split}", "text", share=(index, count))
         prefix = "shard-" if count == 1 else f"shard-{index:03d}-"
-        part = pack_corpus(tok, texts, ShardWriter(out, row_len, cfg.rows_per_shard, vocab, prefix))
-        parts = gather(out, part, index, count)
+        part = pack_corpus(tok, texts, ShardWriter(out / split, row_len, cfg.rows_per_shard, vocab, prefix))
+        parts = gather(out / split, part, index, count)
         if index == 0:
-            m = write_manifest(out, row_len, vocab, parts, meta)
+            m = write_manifest(out / split, row_len, vocab, parts, meta)
             print(f"pack: {split}: {m['rows']} rows, {m['tokens']} tokens, efficiency {m['packing_efficiency']:.3f}")
     if index != 0:
         return
-    chats = read_raw(args.raw, "sft").column("messages").to_pylist()
+    chats = read_raw(raw, "sft").column("messages").to_pylist()
     columns, n_docs = pack_chats(tok, chats, row_len)
-    m = write_split(args.out / "sft", columns, cfg.rows_per_shard, vocab, {**meta, "documents": n_docs})
+    m = write_split(out / "sft", columns, cfg.rows_per_shard, vocab, {**meta, "documents": n_docs})
     print(f"pack: sft: {m['rows']} rows, {m['tokens']} tokens, efficiency {m['packing_efficiency']:.3f}")
-
-    inputs = {"raw": args.raw, "tokenizer": tok_path}
-    stage.record(beside(args.out), {"pack": section_dict(cfg)}, inputs, {"processes": count})
 
 
 def gather(out: Path, part: dict, index: int, count: int) -> list[dict]:

@@ -9,7 +9,7 @@ its stamp, so `dvc repro` fails here, naming the key, before anything runs. The 
 bytes never change, so a valid edit reruns this stage and only what reads the edited key.
 """
 
-from stagelm.config import validate_params
+from stagelm.config import require_inputs, validate_params
 from stagelm.errors import run_main
 from stagelm.files import write_json
 from stagelm.stage import start
@@ -20,6 +20,7 @@ def main() -> None:
     stage = start(__doc__, "out")
     sections = validate_params(stage.params)
     require_families(sections["grpo"].families, "grpo.families")
+    require_inputs(sections["data"])  # DVC would otherwise stop at download on a missing dependency
     write_json(stage.args.out, {"valid": sorted(sections)})
     print(f"params: {stage.args.params}: seed and {len(sections) - 1} sections valid")
 

@@ -231,6 +231,7 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
 def micro_data(tmp_path_factory) -> Path:
     """data/{raw,tokenizer,packed} of the micro params, made by the real stage scripts."""
     root = tmp_path_factory.mktemp("micro_data")
+    (root / "inputs").mkdir()  # data.inputs: `stagelm check` run there wants the folder the download depends on
     write_params(root / "params.yaml", micro_params())
     return run_data_stages(root)
 

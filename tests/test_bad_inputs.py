@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, micro_params, run_in_process, tree_bytes, write_params
+from conftest import ROOT, micro_params, run, run_in_process, tree_bytes, write_params
 from flax import nnx
 from tokenizers import Tokenizer
 
@@ -227,6 +227,7 @@ def test_check_refuses_a_pack_that_did_not_finish(monkeypatch, capsys, micro_dat
     shutil.copytree(micro_data, tmp_path / "data")
     write_params(tmp_path / "params.yaml", micro_params())
     shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    (tmp_path / "inputs").mkdir()  # data.inputs, which the download stage depends on
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["stagelm", "check"])
     cli.main()
@@ -235,7 +236,7 @@ def test_check_refuses_a_pack_that_did_not_finish(monkeypatch, capsys, micro_dat
     manifest = (val / "manifest.json").read_bytes()
     (val / "manifest.json").unlink()  # killed before its manifest: the shards may be new, old or half
     err = stagelm(monkeypatch, capsys, "check")
-    assert err.startswith(f"error: {val}: no manifest.json, so its files are not a finished pack; run `dvc repro pack`")
+    assert err.startswith(f"error: {val}: no manifest.json, so its files are not a finished pack; rebuild it with")
     (val / "manifest.json").write_bytes(manifest)
     shutil.copyfile(val / "shard-00000.arrow", val / "shard-00099.arrow")  # a shard the old manifest does not list
     err = stagelm(monkeypatch, capsys, "check")
@@ -244,9 +245,8 @@ def test_check_refuses_a_pack_that_did_not_finish(monkeypatch, capsys, micro_dat
     shard = val / "shard-00000.arrow"
     shard.write_bytes(shard.read_bytes()[:-8])  # an old manifest over a new, shorter shard
     err = stagelm(monkeypatch, capsys, "check")
-    assert err == f"error: {shard}: sha256 differs from {val / 'manifest.json'}; run `dvc repro pack`, " + (
-        f"or `dvc checkout --force {val}` to restore the last one\n"
-    )
+    # the cache may hold the damaged bytes (a link cache), so the advice rebuilds rather than checks out
+    assert err == f"error: {shard}: sha256 differs from {val / 'manifest.json'}; rebuild it with `dvc repro -f pack`\n"
     for typo, words in (("trainig", "(did you mean 'training'?)"), ("notes", "unknown top-level key")):
         write_params(tmp_path / "params.yaml", {**micro_params(), typo: {"lr": 1}})
         assert words in stagelm(monkeypatch, capsys, "check")
@@ -283,8 +283,9 @@ TASK_ROWS = [  # (task set, its lines, the words of the error)
 @pytest.mark.parametrize(("name", "rows", "words"), TASK_ROWS, ids=[w[10:50] for _, _, w in TASK_ROWS])
 def test_task_files_are_checked_row_by_row(capsys, tmp_path, monkeypatch, name, rows, words):
     monkeypatch.chdir(tmp_path)
-    Path("f.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    write_params(tmp_path / "params.yaml", micro_params(data={f"{name}_files": "f.jsonl"}))
+    Path("inputs").mkdir()
+    Path("inputs/f.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_params(tmp_path / "params.yaml", micro_params(data={f"{name}_files": "inputs/f.jsonl"}))
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "keep.txt").write_text("an earlier download")
@@ -306,3 +307,93 @@ def test_a_batch_that_does_not_split_over_the_mesh_fails_before_compiling(capsys
         "(mesh.data × mesh.fsdp = {'data': 8, 'fsdp': 1, 'tensor': 1}); give a multiple of 8, or set the mesh\n"
     )
     assert not Path("out").exists()
+
+
+# --- export-hf and import-hf never write into what DVC tracks, nor over a user's files ------------
+
+
+def test_export_and_import_refuse_dvc_outputs_and_other_files(monkeypatch, capsys, model_dir, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    run(["dvc", "init", "--no-scm", "-q"], project)
+    (project / "dvc.yaml").write_text("stages:\n  train:\n    cmd: 'true'\n    outs:\n      - runs/train/model\n")
+    (project / "runs/train/model").mkdir(parents=True)
+    (project / "runs/train/model/config.json").write_text("{}")
+    before = tree_bytes(project)
+    for target in (project / "runs/train/model", project / "runs/train/model/hf", project / "runs"):
+        for command, source in (("export-hf", model_dir), ("import-hf", tmp_path / "hf")):
+            err = stagelm(monkeypatch, capsys, command, str(source), str(target))
+            assert err == (
+                f"error: {target}: holds or is a DVC-tracked output (of train); "
+                f"give {command} a folder outside DVC's outputs\n"
+            )
+    assert tree_bytes(project) == before
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(tmp_path / "hf")])
+    cli.main()  # outside DVC's outputs: written
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"a user\'s": "own file"}')
+    err = stagelm(monkeypatch, capsys, "import-hf", str(tmp_path / "hf"), str(mine))
+    assert (
+        err
+        == f"error: {mine}: holds ['config.json'], not only a previous import; give import-hf a new or empty folder\n"
+    )
+    assert (mine / "config.json").read_text() == '{"a user\'s": "own file"}'
+    for _ in range(2):  # a previous import is replaced
+        monkeypatch.setattr(sys, "argv", ["stagelm", "import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")])
+        cli.main()
+    assert sorted(p.name for p in (tmp_path / "imported").iterdir()) == [
+        "config.json",
+        "params.safetensors",
+        "tokenizer.json",
+    ]
+
+
+# --- sizes: refused with both figures before anything that large is allocated ---------------------
+
+
+def stage_cmd(script: str, micro_data: Path, model: Path | None = None) -> list[str]:
+    """The in-process command of a stage script on the micro data, its outputs under the cwd."""
+    packed, tokenizer = micro_data / "packed", micro_data / "tokenizer"
+    args = {
+        "pack.py": ["--raw", str(micro_data / "raw"), "--tokenizer", str(tokenizer), "--out", "packed"],
+        "pretrain.py": ["--train", str(packed / "train"), "--val", str(packed / "val")]
+        + ["--tokenizer", str(tokenizer / "tokenizer.json"), "--out", "out", "--checkpoints", "ckpt"],
+        "eval.py": ["--model", str(model), "--name", "m", "--format", "chat", "--val", str(packed / "val")]
+        + ["--raw", str(micro_data / "raw"), "--out", "eval"],
+    }[script]
+    return [sys.executable, str(ROOT / "stages" / script), *args]
+
+
+SIZES = [  # (script, params edit, the start of the one-line error)
+    ("pack.py", {"pack": {"seq_len": 1_000_000_000}}, "pack.seq_len: a shard of pack.rows_per_shard 32 rows × "),
+    ("pretrain.py", {"model": {"n_layers": 1_000_000}}, "model: 9,280,009,632 parameters with their gradients"),
+    ("pretrain.py", {"training": {"batch_size": 10_000}}, "training.batch_size: 10000 × training.grad_accum 1 rows"),
+    ("eval.py", {"eval": {"max_new_tokens": 100_000_000}}, "eval.max_new_tokens: a KV cache of eval.task_batch_size"),
+]
+
+
+@pytest.mark.parametrize(("script", "edit", "words"), SIZES, ids=[w.split(":")[0] for _, _, w in SIZES])
+def test_sizes_beyond_the_machine_are_refused_before_allocating(
+    capsys, micro_data, pretrained, tmp_path, monkeypatch, script, edit, words
+):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", micro_params(**edit))
+    code, err = run_in_process(stage_cmd(script, micro_data, pretrained), capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: {words}"), err
+    assert "available" in err or "rows" in err
+    assert not [p for p in tmp_path.iterdir() if p.name != "params.yaml"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seed", "99999999999999999999999"], "--seed: expected an int in [0, 2**32), got 99999999999999999999999"),
+        (["--temperature", "inf"], "temperature: expected a finite value >= 0, got inf"),
+        (["--prompt", "caf\udcff"], "--prompt: not UTF-8 text; pass the prompt as UTF-8"),
+    ],
+)
+def test_generate_refuses_what_it_cannot_use(monkeypatch, capsys, model_dir, flags, message):
+    prompt = [] if "--prompt" in flags else ["--prompt", "a"]
+    err = stagelm(monkeypatch, capsys, "generate", str(model_dir), *prompt, *flags)
+    assert err == f"error: {message}\n"

@@ -106,6 +106,13 @@ def test_stagelm_check_cli(tmp_path, micro_data):
         micro_data.parent,
     )
     assert "sections" in ok.stdout and "shards match" in ok.stdout and "files match" in ok.stdout
+    assert "ok: eval (KV cache): about " in ok.stdout  # the estimates it can make, against this machine
+    write_params(params, micro_params(model={"n_layers": 1_000_000}))
+    huge = run(
+        [sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
+        micro_data.parent,
+    )
+    assert "warning: model (parameters, gradients, Adam's moments): about " in huge.stdout  # warned, not refused
     bad = micro_params(pack={"seq_len": "abc"})
     write_params(params, bad)
     fail = run(

@@ -4,6 +4,7 @@ import bz2
 import dataclasses
 import gzip
 import json
+import os
 import socket
 import sys
 import time
@@ -11,11 +12,12 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, micro_params, run, write_params
+from conftest import ROOT, make_project, micro_params, run, write_params
 
 from stagelm import download
 from stagelm.config import load_section
 from stagelm.errors import StagelmError
+from stagelm.files import read_json
 
 
 def data_cfg(**overrides):
@@ -165,7 +167,8 @@ def test_bad_sources_fail_with_one_named_line(tmp_path):
     cases.append((data_cfg(source=f"files:{one}"), r"^data\.val_fraction: 0\.1 of 1 document\(s\) left the"))
     cases.append((data_cfg(source=f"files:{tmp_path}/nothing*.txt"), r"^data\.source: .* matches no"))
     cases.append((data_cfg(source="s3://bucket/corpus"), r"^data\.source: unknown source"))
-    cases.append((data_cfg(source="hf:someone/some-dataset", hf_revision=None), r"^data\.hf_revision: pin"))
+    missing = r"^data\.source: hf:someone/some-dataset: no such local dataset folder; .* or pin a hub dataset"
+    cases.append((data_cfg(source="hf:someone/some-dataset", hf_revision=None), missing))
     for i, (cfg, pattern) in enumerate(cases):
         with pytest.raises(StagelmError, match=pattern):
             collect(cfg, tmp_path / f"raw{i}")
@@ -221,7 +224,8 @@ def test_stage_exits_nonzero_with_one_line(tmp_path, source):
     corrupt = tmp_path / "corpus.jsonl.gz"
     corrupt.write_bytes(gzip.compress(b'{"text": "a document"}\n' * 5000)[:-100])
     pattern = {"missing": "does/not/exist/*.txt", "corrupt": str(corrupt)}[source]
-    write_params(tmp_path / "params.yaml", micro_params(data={"source": f"files:{pattern}"}))
+    params = micro_params(data={"source": f"files:{pattern}", "inputs": str(tmp_path)})
+    write_params(tmp_path / "params.yaml", params)
     result = run(
         [sys.executable, str(ROOT / "stages/download.py"), "--params", "params.yaml", "--out", "raw"],
         tmp_path,
@@ -233,3 +237,91 @@ def test_stage_exits_nonzero_with_one_line(tmp_path, source):
         "error: data.source:" if source == "missing" else f"error: {corrupt}: cannot be read"
     )
     assert not (tmp_path / "raw").exists()  # no manifest, no partial files, not even the folder
+
+
+# --- what a file holds besides documents: byte order marks, NUL, hidden folders, bad CSV ----
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "csv"])
+def test_a_byte_order_mark_is_not_text(tmp_path, kind):
+    path = write_docs(tmp_path, kind, TEXTS)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # as Windows editors save UTF-8
+    train, val, _ = collect(data_cfg(source=f"files:{path}"), tmp_path / "raw")
+    assert sorted(train + val) == sorted(TEXTS)  # no U+FEFF before the first document
+
+
+def test_nul_bytes_are_refused_naming_file_and_offset(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"a first document\n\nsecond \x00 one\n")
+    with pytest.raises(StagelmError, match=rf"^{text}: a NUL byte at byte 25; .* re-encode or remove the file$"):
+        collect(data_cfg(source=f"files:{text}"), tmp_path / "raw")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "bad\u0000doc"}) + "\n")
+    with pytest.raises(StagelmError, match=rf"^{rows}: document 2 holds a NUL character \(offset 3\)"):
+        collect(data_cfg(source=f"files:{rows}"), tmp_path / "raw")
+    assert not (tmp_path / "raw").exists()
+
+
+def test_hidden_folders_inside_a_corpus_folder_are_not_corpus(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_docs(corpus if corpus.mkdir() is None else corpus, "jsonl", TEXTS)
+    (corpus / ".ipynb_checkpoints").mkdir()
+    (corpus / ".ipynb_checkpoints/corpus-checkpoint.jsonl").write_bytes((corpus / "corpus.jsonl").read_bytes())
+    (corpus / ".hidden.jsonl").write_bytes((corpus / "corpus.jsonl").read_bytes())
+    for source in (f"files:{corpus}", f"files:{corpus}/**/*.jsonl"):
+        train, val, _ = collect(data_cfg(source=source), tmp_path / "raw")
+        assert len(train + val) == len(TEXTS)  # not doubled
+
+
+def test_a_csv_quote_left_open_names_the_file_and_line(tmp_path):
+    path = tmp_path / "corpus.csv"
+    rows = [f'"{t}",{i}' for i, t in enumerate(TEXTS[:50])]
+    rows[20] = '"an unterminated quote,20'
+    path.write_text("text,id\n" + "\n".join(rows) + "\n")
+    with pytest.raises(StagelmError, match=rf"^{path}:22: .*a quote left open\?\); fix the row$"):
+        collect(data_cfg(source=f"files:{path}"), tmp_path / "raw")
+    single = tmp_path / "single.csv"  # one column: the open quote would swallow the rest of the file
+    single.write_text("text\n" + "\n".join(f'"{t}"' for t in TEXTS[:30]) + '\n"open\n' + "\n".join(TEXTS[30:60]))
+    with pytest.raises(StagelmError, match=rf"^{single}:32: not valid CSV"):
+        collect(data_cfg(source=f"files:{single}"), tmp_path / "raw")
+    multi = tmp_path / "multi.csv"  # a quoted value may hold line breaks: a paragraph is one document
+    multi.write_text('text,id\n"line one\nline two",0\n"plain",1\n' + "".join(f'"d{i}",{i}\n' for i in range(40)))
+    train, val, _ = collect(data_cfg(source=f"files:{multi}"), tmp_path / "raw")
+    assert "line one\nline two" in train + val and len(train + val) == 42
+
+
+def test_written_files_are_readable_by_others_as_open_makes_them(tmp_path):
+    os.umask(old := os.umask(0o022))
+    out = tmp_path / "raw"
+    collect(data_cfg(), out)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~old), modes  # manifest.json included (atomic_write_bytes)
+
+
+def dvc_status(project) -> dict:
+    return json.loads(run(["dvc", "status", "--json"], project).stdout or "{}")
+
+
+@pytest.mark.slow
+def test_an_edited_corpus_file_reruns_download_and_an_untouched_one_does_not(tmp_path):
+    """The real `dvc` on a copy of the project: data.inputs is a dependency DVC hashes."""
+    project = make_project(tmp_path / "stagelm", micro_params())
+    corpus = project / "inputs/corpus"
+    corpus.mkdir()
+    for part in range(2):
+        lines = [json.dumps({"text": f"Story {part}-{i}: Mia found a red lamp in the garden."}) for i in range(60)]
+        (corpus / f"part{part}.jsonl").write_text("\n".join(lines) + "\n")
+    (corpus / ".ipynb_checkpoints").mkdir()  # not corpus: neither read nor hashed (.dvcignore)
+    write_params(project / "params.yaml", micro_params(data={"source": "files:inputs/corpus/*.jsonl"}))
+    run(["dvc", "repro", "download"], project)  # the params check, then download
+    assert not {"params", "download"} & set(dvc_status(project))
+    (corpus / ".ipynb_checkpoints/part0-checkpoint.jsonl").write_text((corpus / "part0.jsonl").read_text())
+    assert "download" not in dvc_status(project)  # a notebook's autosave is not an edit of the corpus
+    with (corpus / "part1.jsonl").open("a") as f:
+        f.write(json.dumps({"text": "One more story, added by hand."}) + "\n")
+    assert "download" in dvc_status(project)  # DVC hashes the files, not only the params string
+    out = run(["dvc", "repro", "-s", "download"], project).stdout
+    assert "Running stage 'download'" in out
+    documents = read_json(project / "data/raw/manifest.json")["documents"]
+    assert documents["train"] + documents["val"] == 121
+    assert "download" not in dvc_status(project)

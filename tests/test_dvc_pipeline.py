@@ -20,6 +20,7 @@ from stagelm.loader import PackedRows
 from stagelm.tasks import FAMILIES
 
 MODELS = ("pretrain", "sft", "distill", "grpo")  # the model stages, as dvc.yaml's `models` var lists them
+PRETRAIN_LR = "runs/pretrain/plots/metrics/train/lr.tsv"
 
 pytestmark = pytest.mark.slow
 
@@ -197,7 +198,7 @@ def test_a_params_typo_fails_repro_before_any_stage_runs(project):
 
 def test_failed_stage_loses_nothing(project):
     before = read_json(project / "data/packed/train/manifest.json")
-    write_params(project / "params.yaml", micro_params(data={"source": "files:nowhere/*.txt"}))  # valid params
+    write_params(project / "params.yaml", micro_params(data={"source": "files:inputs/nowhere/*.txt"}))  # valid params
     result = run(["dvc", "repro"], project, check=False)
     assert result.returncode != 0 and "Running stage 'download'" in result.stdout  # the stage itself failed
     assert "error: data.source: " in result.stdout + result.stderr
@@ -237,8 +238,10 @@ def test_experiment_runs_and_compares(project):
     # trained on about half the micro corpus: other merges, every stage below reruns, and the
     # vocabulary (so every shape) is the same, so the stages load the executables the built
     # project compiled from the session's JAX cache rather than compile their own.
-    edits = ["-S", "training.lr=1e-2", "-S", "tokenizer.max_train_chars=60000"]
-    out = run(["dvc", "exp", "run", "-n", "lr1e2", *edits], project)
+    # DVC writes 5e-5 into params.yaml as `5e-05`: a float in YAML 1.2 (DVC's reading and ours), a
+    # string in YAML 1.1, which refused it; every rate below 1e-4 was out of reach of `dvc exp run`.
+    edits = ["-S", "training.lr=5e-5", "-S", "tokenizer.max_train_chars=60000"]
+    out = run(["dvc", "exp", "run", "-n", "lr5e5", *edits], project)
     ran = {line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("Running stage")}
     downstream = {"sft", "distill", "grpo", "benchmark", "report"} | {
         f"{kind}@{m}" for kind in ("eval", "sample", "export") for m in MODELS
@@ -251,14 +254,18 @@ def test_experiment_runs_and_compares(project):
         metrics = rev["data"]["metrics"]
         assert metrics["runs/pretrain/metrics.json"]["data"]["val_loss"] > 0
         assert metrics["runs/eval/sft/metrics.json"]["data"]["accuracy"] >= 0
-    assert experiment["data"]["params"]["params.yaml"]["data"]["training"]["lr"] == 1e-2
+    assert "lr: 5e-05" in (project / "params.yaml").read_text()  # as DVC wrote it
+    assert experiment["data"]["params"]["params.yaml"]["data"]["training"]["lr"] == 5e-5
+    assert read_json(project / "runs/pretrain/provenance.json")["params"]["training"]["lr"] == 5e-5
+    rates = [float(line.split("\t")[1]) for line in (project / PRETRAIN_LR).read_text().splitlines()[1:]]
+    assert max(rates) == pytest.approx(5e-5) and len(rates) == micro_params()["training"]["steps"]  # trained at it
     diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], project).stdout
     assert "runs/pretrain/metrics.json" in json.loads(diff)
     params = json.loads(run(["dvc", "params", "diff", "HEAD", "--json"], project).stdout)
-    assert params["params.yaml"]["training.lr"]["new"] == 1e-2
-    run(["dvc", "plots", "diff", "HEAD", "lr1e2", "-o", "plots_diff"], project)
+    assert params["params.yaml"]["training.lr"]["new"] == 5e-5
+    run(["dvc", "plots", "diff", "HEAD", "lr5e5", "-o", "plots_diff"], project)
     page = (project / "plots_diff/index.html").read_text()
-    assert "lr1e2" in page and "HEAD" in page and "runs/pretrain/plots/metrics/train/loss.tsv" in page
+    assert "lr5e5" in page and "HEAD" in page and "runs/pretrain/plots/metrics/train/loss.tsv" in page
     assert "cdn.jsdelivr" not in page and "/* vega 5.33.1 */" in page
 
 

@@ -17,7 +17,7 @@ from stagelm.pack import (
     write_split,
 )
 from stagelm.rawdata import iter_column, read_raw
-from stagelm.tokenizer import EOS, encode_batch, load_tokenizer, special_id
+from stagelm.tokenizer import EOS, encode_batch, encode_joined, load_tokenizer, special_id
 
 EOS_ID = 2  # <|eos|> in a tokenizer the tokenizer stage trains
 
@@ -142,3 +142,16 @@ def test_data_stages_rerun_to_identical_bytes(micro_data, tmp_path):
         assert first.keys() == second.keys() and first == second, name
         assert not any(path.endswith("provenance.json") for path in first), name
         assert (again / f"{name}.provenance.json").is_file()
+
+
+def test_a_long_document_and_a_spelled_eos_stay_one_document_each(micro_data, tmp_path):
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    long = " ".join(f"Tom had {i} red apples." for i in range(12_000))  # ~260 K characters: encoded in pieces
+    spelled = "a document that writes <|eos|> in the middle"  # text, not the token (load_tokenizer)
+    packer = CorpusPacker(ShardWriter(tmp_path / "out", 65, 1024, tok.get_vocab_size()), EOS_ID)
+    packer.add_joined(*encode_joined(tok, [long, spelled], EOS_ID))
+    assert packer.finish({})["documents"] == 2
+    rows = PackedRows(tmp_path / "out").all_rows()
+    stream = rows["tokens"][rows["segment_ids"] > 0].tolist()
+    expected = [*tok.encode(long, add_special_tokens=False).ids, EOS_ID, *tok.encode(spelled).ids, EOS_ID]
+    assert stream == expected  # the long one's pieces joined with no <|eos|> between, ids as if whole

@@ -299,3 +299,160 @@ def test_the_chat_page_streams_a_reply_in_chromium(trained, tmp_path):
         assert {urllib.parse.urlsplit(u).netloc for u in browser.requests} == {f"127.0.0.1:{trained.port}"}
     finally:
         browser.close()
+
+
+# --- abuse: what a web page, a slow client or a huge request can and cannot do ------------------
+
+
+def raw(server: Server, head: bytes, body: bytes = b"", timeout: float = 30) -> tuple[int, dict]:
+    """(status, JSON body) of one request written byte for byte (headers as a client chose them)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
+        s.sendall(head + b"\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"{}")
+
+
+def post_head(server: Server, length: int, host: str | None = None, kind: str = "application/json") -> bytes:
+    host = host or f"127.0.0.1:{server.port}"
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: {kind}\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n"
+    ).encode()
+
+
+def test_only_loopback_names_and_json_posts_reach_the_model(trained):
+    body = json.dumps({"model": NAME, "prompt": "Once", "max_tokens": 2}).encode()
+    for host in ("localhost", f"localhost:{trained.port}", f"127.0.0.1:{trained.port}", f"[::1]:{trained.port}"):
+        assert raw(trained, post_head(trained, len(body), host), body)[0] == 200, host
+    status, answer = raw(trained, post_head(trained, len(body), "attacker.example"), body)  # DNS rebinding
+    assert status == 400 and "Host: 'attacker.example' is not a name of this server" in answer["error"]["message"]
+    for kind in ("text/plain", "application/x-www-form-urlencoded"):  # what a cross-site form can send
+        status, answer = raw(trained, post_head(trained, len(body), kind=kind), body)
+        assert status == 415 and answer["error"]["type"] == "invalid_request_error", answer
+    status, answer = raw(trained, b"DELETE /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n")
+    assert status == 405 and answer["error"]["type"] == "invalid_request_error"
+
+
+def test_the_page_cannot_be_broken_out_of_by_a_name():
+    from stagelm.serve import inline_json
+
+    name = "</script><script>alert(1)</script>&"
+    text = inline_json(name)
+    assert "<" not in text and ">" not in text and json.loads(text) == name
+
+
+PARSE = [  # (body, param or None, words): every one a 400 with an error object, none a 500
+    (b"[" * 200_000 + b"]" * 200_000, None, "nested too deeply"),
+    (b'{"model": "%s", "prompt": "\\ud800"}' % NAME.encode(), "prompt", "lone surrogate"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "\ud800"}]}, "messages", "lone surrogate"),
+    ({"model": NAME, "prompt": "x", "stop": ["s" * 257]}, "stop", "1 to 256 characters"),
+    ({"model": NAME, "prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
+    ({"model": NAME, "prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"model": NAME, "prompt": "x", "best_of": 3}, "best_of", "best_of = n"),
+]
+
+
+def test_what_fails_to_parse_is_a_400_and_neutral_openai_fields_pass(trained):
+    for body, param, words in PARSE:
+        path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, answer, _ = trained.post(path, data)
+        assert status == 400 and answer["error"]["param"] == param and words in answer["error"]["message"], answer
+    neutral = {"model": NAME, "prompt": "x", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1}
+    assert trained.post("/v1/completions", neutral)[0] == 200
+    with socket.create_connection(("127.0.0.1", trained.port)) as s:  # a client that leaves mid-body
+        s.sendall(post_head(trained, 5000) + b"\r\n" + b'{"model": "')
+    assert trained.post("/v1/completions", neutral)[0] == 200
+    assert "Traceback" not in trained.log.read_text() and "ClientDisconnect" not in trained.log.read_text()
+
+
+def test_stop_strings_cost_no_more_than_their_bounded_length(long):
+    stops = ["".join(chr(0x4E00 + (i * 7 + k) % 500) for k in range(256)) for i in range(4)]  # never generated
+    body = {"model": NAME, "prompt": "Once upon a time,", "max_tokens": 400, "n": 16, "stop": stops, "temperature": 1}
+    done: dict[str, float] = {}
+
+    def ask() -> None:
+        done["status"] = long.post("/v1/completions", body)[0]
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    time.sleep(0.5)
+    waits = []
+    while worker.is_alive() and len(waits) < 50:  # the event loop answers while the long request decodes
+        t0 = time.perf_counter()
+        assert long.get("/v1/models")[0] == 200
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    worker.join(timeout=120)
+    assert done["status"] == 200 and waits and max(waits) < 1.0, waits
+
+
+def test_a_client_that_goes_away_frees_its_slots_without_streaming(long):
+    before = long.stats()
+    body = json.dumps({"model": NAME, "prompt": "Once upon a time,", "max_tokens": 1500, "n": 4}).encode()
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", long.port)) as s:
+            s.sendall(post_head(long, len(body)) + b"\r\n" + body)
+            deadline = time.time() + 30
+            while long.stats()["active"] < 4 and time.time() < deadline:  # it is decoding
+                time.sleep(0.02)
+        deadline = time.time() + 30
+        while long.stats()["active"] and time.time() < deadline:  # gone: its rows are freed
+            time.sleep(0.02)
+    after = long.stats()
+    assert after["active"] == 0 and after["cancelled"] - before["cancelled"] == 12  # freed, not run to the end
+    assert after["tokens"] - before["tokens"] < 3 * 4 * 1500 / 2  # nowhere near the 18,000 they asked for
+
+
+def serve_flags(model: Path, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    return run(["stagelm", "serve", str(model), *flags], tmp_path, check=False, timeout=120)
+
+
+def test_ports_and_slots_are_checked_before_the_model_loads(long_model, tmp_path):
+    for port in ("70000", "-1"):
+        result = serve_flags(long_model, tmp_path, "--port", port)
+        assert result.returncode == 2 and result.stderr == (
+            f"error: --port: expected 0 to 65535 (0 = any free port), got {port}\n"
+        )
+    result = serve_flags(long_model, tmp_path, "--port", "0", "--slots", "10000000")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: --slots: 10000000 slots × 2048 positions of KV cache needs ")
+    assert "GiB, but " in result.stderr and "is available; lower it" in result.stderr
+
+
+def test_slow_clients_cannot_lock_out_a_good_one(long_model, tmp_path):
+    """Slowloris: 300 connections that never finish their head, against a server allowed 256
+    descriptors; a good client started after them is answered once the head deadline drops them."""
+    log = tmp_path / "slow.log"
+    serve = ["stagelm", "serve", str(long_model), "--port", "0", "--name", NAME, "--header-timeout", "2"]
+    cmd = ["prlimit", "--nofile=256:256", *serve]  # util-linux; a preexec_fn would fork this threaded process
+    proc = subprocess.Popen(cmd, env=env_with_venv(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    stalled: list[socket.socket] = []
+    try:
+        deadline = time.time() + 180
+        while "serve:" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        announced = log.read_text().split("http://127.0.0.1:")[1].split()[0]
+        port = int(announced)
+        assert port != 0  # port 0: the one the system gave is announced
+        for _ in range(300):
+            s = socket.socket()
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")  # and never the blank line
+            stalled.append(s)
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().status == 200
+        assert time.perf_counter() - t0 < 2 + 2  # the header deadline, plus 2 s
+        assert log.read_text().count("\n") == 1  # the serve line alone: no accept() errors logged
+    finally:
+        for s in stalled:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -18,8 +18,12 @@ restore in one line naming the folder to delete. Nothing is skipped silently: th
 starts fresh only when the user deletes the fingerprint's folder.
 """
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -107,8 +111,21 @@ class Checkpoints:
     def save(self, step: int, state: Any, extra: dict[str, Any], val_loss: float | None) -> None:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
-        self.manager.save(step, args=args, metrics=metrics, force=True)
-        self.manager.wait_until_finished()
+        try:
+            with quiet_saving():
+                self.manager.save(step, args=args, metrics=metrics, force=True)
+                self.manager.wait_until_finished()
+        except Exception as err:  # TensorStore reports the OS error in its message (os_error_code='28')
+            code = re.search(r"os_error_code='(\d+)'", str(err))
+            if code is None:
+                raise
+            for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):  # give back what the save took
+                shutil.rmtree(partial, ignore_errors=True)
+            failed = OSError(int(code[1]), os.strerror(int(code[1])), str(self.directory))
+            # TensorStore's threads still hold callbacks into Orbax's closed event loop: an orderly
+            # interpreter shutdown would print their tracebacks, so the entry point exits at once.
+            failed.exit_at_once = True  # type: ignore[attr-defined]
+            raise failed from None
         sync(f"stagelm-checkpoint-{step}")  # every process's files are written
         if jax.process_index() == 0:
             step_dir = self.directory / str(step)
@@ -153,6 +170,31 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+@contextlib.contextmanager
+def quiet_saving() -> Any:
+    """Orbax's worker threads log a failed write at ERROR with its traceback before the save
+    raises it, and TensorStore's threads then report each write they could not hand back
+    to Orbax's closed event loop. The stage reports the error itself in one line, so these
+    copies are held back (for good once a save failed: the process is about to exit)."""
+    absl, hook = logging.getLogger("absl"), sys.unraisablehook
+    level = absl.level
+
+    def drop_closed_loop(unraisable: Any) -> None:  # TensorStore reports through PyErr_WriteUnraisable
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            hook(unraisable)
+
+    absl.setLevel(logging.CRITICAL)
+    sys.unraisablehook = drop_closed_loop
+    try:
+        yield
+    except BaseException:
+        raise
+    else:
+        absl.setLevel(level)
+        sys.unraisablehook = hook
 
 
 def file_hashes(step_dir: Path) -> dict[str, str]:

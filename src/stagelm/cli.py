@@ -22,9 +22,7 @@ import os
 import shlex
 from pathlib import Path
 
-import yaml
-
-from stagelm.config import SECTIONS, load_section, read_params, validate_params
+from stagelm.config import SECTIONS, load_section, read_params, read_yaml, require_inputs, validate_params
 from stagelm.errors import StagelmError, run_main
 from stagelm.files import read_json_object, sha256_file
 
@@ -33,9 +31,11 @@ def pipeline_vars(pipeline: Path) -> dict[str, str]:
     """The `vars` of dvc.yaml (paths are named there once)."""
     if not pipeline.is_file():
         raise StagelmError(f"{pipeline}: not found; run from the project root or pass --pipeline")
-    doc = yaml.safe_load(pipeline.read_text()) or {}
+    doc = read_yaml(pipeline) or {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), dict):
+        raise StagelmError(f"{pipeline}: not a DVC pipeline (no `stages` mapping); give --pipeline the project's one")
     merged: dict[str, str] = {}
-    for entry in doc.get("vars", []):
+    for entry in doc.get("vars", []) if isinstance(doc.get("vars"), list) else []:
         if isinstance(entry, dict):
             merged.update({k: v for k, v in entry.items() if isinstance(v, str)})
     return merged
@@ -44,7 +44,8 @@ def pipeline_vars(pipeline: Path) -> dict[str, str]:
 def check_manifest_files(directory: Path, key: str, producer: str) -> dict:
     """The manifest of a data folder, after checking that it exists, that every file it
     lists has its sha256 and that no shard it does not list lies beside them."""
-    fix = f"run `dvc repro {producer}`, or `dvc checkout --force {directory}` to restore the last one"
+    # Not `dvc checkout --force`: it restores the cache's bytes, and those may be the damaged ones.
+    fix = f"rebuild it with `dvc repro -f {producer}`"
     manifest_path = directory / "manifest.json"
     if not manifest_path.is_file():
         raise StagelmError(f"{directory}: no manifest.json, so its files are not a finished {producer}; {fix}")
@@ -72,7 +73,9 @@ def check(args: argparse.Namespace) -> None:
     from stagelm.tasks import require_families
 
     require_families(sections["grpo"].families, "grpo.families")
+    require_inputs(sections["data"])
     print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
+    print_estimates(sections)
     paths = pipeline_vars(Path(args.pipeline))
     raw = Path(paths.get("raw_dir", "data/raw"))
     if raw.is_dir():
@@ -85,9 +88,34 @@ def check(args: argparse.Namespace) -> None:
         if tokenizer.is_file() and manifest.get("tokenizer_sha256") != sha256_file(tokenizer):
             raise StagelmError(
                 f"{split}: packed with another tokenizer than {tokenizer}; run `dvc repro pack`, "
-                f"or `dvc checkout --force {packed} {tokenizer.parent}` to restore a matching pair"
+                f"or `dvc checkout {packed} {tokenizer.parent}` to restore the pair dvc.lock records"
             )
         print(f"ok: {split}: {len(manifest['shards'])} shards match manifest.json")
+
+
+def print_estimates(sections: dict) -> None:
+    """The memory the stages will ask for, by arithmetic on params.yaml (the vocabulary at its
+    cap), against what this machine has: a warning line for each that does not fit."""
+    from types import SimpleNamespace
+
+    from stagelm.memory import HEADROOM, dtype_bytes, gib, host_available, kv_cache_bytes, param_count
+
+    model, vocab, seq = sections["model"], sections["tokenizer"].vocab_size, sections["pack"].seq_len
+    shape = SimpleNamespace(
+        n_layers=model.n_layers, n_kv_heads=model.n_kv_heads, dtype=model.dtype, head_dim=model.d_model // model.n_heads
+    )
+    n = param_count(vocab, **model.shape(), tie_embeddings=model.tie_embeddings)
+    ev, grpo = sections["eval"], sections["grpo"]
+    estimates = {
+        "model (parameters, gradients, Adam's moments)": 4 * n * dtype_bytes(model.param_dtype),
+        "pack (a shard's buffers)": 3 * 4 * 4 * sections["pack"].rows_per_shard * (seq + 1),
+        "eval (KV cache)": kv_cache_bytes(shape, ev.task_batch_size, seq + ev.max_new_tokens),
+        "grpo (rollouts' KV cache)": kv_cache_bytes(shape, grpo.prompts_per_step * grpo.group_size, seq),
+    }
+    have = host_available()
+    for what, need in estimates.items():
+        fits = have is None or need + HEADROOM <= have
+        print(f"{'ok' if fits else 'warning'}: {what}: about {gib(need)}" + (f" of {gib(have)}" if have else ""))
 
 
 def launch(args: argparse.Namespace) -> None:
@@ -112,6 +140,12 @@ def generate(args: argparse.Namespace) -> None:
 
     if args.max_new_tokens < 1:
         raise StagelmError(f"--max-new-tokens: expected a positive int, got {args.max_new_tokens}")
+    if not 0 <= args.seed < 2**32:
+        raise StagelmError(f"--seed: expected an int in [0, 2**32), got {args.seed}")
+    try:
+        args.prompt.encode()
+    except UnicodeEncodeError:  # bytes the terminal's locale could not decode reach Python as surrogates
+        raise StagelmError("--prompt: not UTF-8 text; pass the prompt as UTF-8") from None
     sampling = Sampling(args.temperature, args.top_k, args.top_p)  # validates before the model loads
     gen = load_generator(args.model_dir)
     tok = gen.tokenizer
@@ -150,11 +184,62 @@ def deps(args: argparse.Namespace) -> None:
     print(render(script, Path.cwd()), end="")
 
 
+def dvc_output_at(target: Path) -> str | None:
+    """The DVC stage (or .dvc file) whose output `target` is, lies inside or holds; None if
+    none, or when `target` is in no DVC project. A command writing there behind DVC's back
+    would change what dvc.lock records."""
+    resolved = target.resolve()
+    root = next((p for p in (resolved, *resolved.parents) if (p / ".dvc").is_dir()), None)
+    if root is None:
+        return None
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(str(root)) as repo:
+            outs = [(Path(str(o.fs_path)), getattr(o.stage, "name", None) or o.stage.relpath) for o in repo.index.outs]
+    except DvcException as err:
+        raise StagelmError(f"{root / 'dvc.yaml'}: DVC cannot read it ({err}), so {target} cannot be checked") from None
+    for out, stage in outs:
+        if resolved == out or resolved.is_relative_to(out) or out.is_relative_to(resolved):
+            return stage
+    return None
+
+
+def refuse_dvc_output(target: Path, command: str) -> None:
+    stage = dvc_output_at(target)
+    if stage is not None:
+        raise StagelmError(
+            f"{target}: holds or is a DVC-tracked output (of {stage}); give {command} a folder outside DVC's outputs"
+        )
+
+
 def export_hf(args: argparse.Namespace) -> None:
     from stagelm.hf import export_hf
 
+    refuse_dvc_output(args.out_dir, "export-hf")  # the export@ stages write there through the library
     out = export_hf(args.model_dir, args.out_dir)  # refuses its source, a file, or a folder of other files
     print(f"export-hf: {args.model_dir} → {out} (LlamaForCausalLM; model.safetensors, tokenizer, chat template)")
+
+
+def check_import_target(out_dir: Path) -> None:
+    """Refuse a target that is a file, a DVC output, or a folder holding anything but a
+    previous import (a stagelm model directory's files), which the import replaces."""
+    from stagelm.modeldir import PARAMS_FILE
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise StagelmError(f"{out_dir}: a file, not a folder; give import-hf a new or empty folder to write")
+    refuse_dvc_output(out_dir, "import-hf")
+    if not out_dir.is_dir():
+        return
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in ("config.json", PARAMS_FILE, "tokenizer.json"))
+    config = out_dir / "config.json"
+    if not others and config.is_file() and "params_sha256" not in read_json_object(config, "move it away"):
+        others = ["config.json"]  # a config.json of someone else's, not a stagelm model's
+    if others:
+        raise StagelmError(
+            f"{out_dir}: holds {others[:3]}, not only a previous import; give import-hf a new or empty folder"
+        )
 
 
 def import_hf(args: argparse.Namespace) -> None:
@@ -163,6 +248,7 @@ def import_hf(args: argparse.Namespace) -> None:
     from stagelm.modeldir import save_model
     from stagelm.tokenizer import read_tokenizer_file
 
+    check_import_target(args.out_dir)
     tokenizer = args.hf_dir / "tokenizer.json"
     if not tokenizer.is_file():
         raise StagelmError(f"{tokenizer}: missing; the checkpoint needs a fast tokenizer's tokenizer.json")
@@ -182,7 +268,20 @@ def serve(args: argparse.Namespace) -> None:
 
     if args.slots < 1 or args.queue < 0:
         raise StagelmError("--slots: expected at least 1 (and --queue at least 0)")
-    serve(args.model_dir, args.host, args.port, args.slots, args.queue, args.name)
+    if not 0 < args.header_timeout < 3600:
+        raise StagelmError(f"--header-timeout: expected seconds in (0, 3600), got {args.header_timeout}")
+    if args.name is not None and not args.name.strip():
+        raise StagelmError("--name: expected a non-empty name")
+    serve(
+        args.model_dir,
+        args.host,
+        args.port,
+        args.slots,
+        args.queue,
+        args.name,
+        tuple(args.allow_host),
+        args.header_timeout,
+    )
 
 
 def main() -> None:
@@ -227,6 +326,13 @@ def main() -> None:
     sv.add_argument("--slots", type=int, default=16, help="requests decoded together")
     sv.add_argument("--queue", type=int, default=64, help="requests waiting for a slot; beyond that 429")
     sv.add_argument("--name", help="the model's name in the API (default: the directory as given)")
+    sv.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        help="a Host name to answer besides loopback's (repeatable); bound elsewhere, only these when given",
+    )
+    sv.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request's head")
     sv.set_defaults(func=serve)
     im = sub.add_parser("import-hf", help="read a local transformers Llama checkpoint into a model directory")
     im.add_argument("hf_dir", type=Path)

@@ -15,13 +15,18 @@ sections they read.
 
 import dataclasses
 import difflib
+import glob
+import itertools
+import math
+import os
 import shlex
 import types
 import typing
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
 
 from stagelm.errors import StagelmError
 
@@ -33,6 +38,7 @@ NON_NEGATIVE = (lambda v: v >= 0, "a non-negative {type}")
 FRACTION = (lambda v: 0 < v < 1, "a {type} in (0, 1)")
 UNIT = (lambda v: 0 <= v <= 1, "a {type} in [0, 1]")
 MESH_AXIS = (lambda v: v == -1 or v >= 1, "-1 (infer) or a positive {type}")
+SEED = (lambda v: 0 <= v < 2**32, "an {type} in [0, 2**32)")  # what jax.random.key and numpy's generators take
 
 
 def one_of(*choices: str) -> tuple:
@@ -50,7 +56,7 @@ def checked(check: tuple, **kwargs: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str  # synthetic | files:<path or glob> | hf:<dataset id or local dataset dir>
-    seed: int = checked(NON_NEGATIVE)  # the data's own seed, apart from the training seed
+    seed: int = checked(SEED)  # the data's own seed, apart from the training seed
     val_fraction: float = checked(FRACTION)
     num_documents: int = checked(POSITIVE)  # synthetic corpus size
     text_field: str  # column holding the text for files/hf sources
@@ -63,6 +69,46 @@ class DataConfig:
     num_sft: int = checked(POSITIVE)  # synthetic SFT conversations
     num_rl: int = checked(POSITIVE)  # synthetic RL prompts
     num_eval: int = checked(POSITIVE)  # synthetic held-out prompts per task family
+    # The folder holding every local file the download reads (a `files:` corpus, a local
+    # `hf:` dataset, the task files): dvc.yaml lists it as the download stage's dependency,
+    # so an edited corpus reruns download and what follows.
+    inputs: str = checked((lambda v: bool(v.strip()), "a folder path"))
+
+    def local_inputs(self) -> list[tuple[str, str]]:
+        """(key, path or glob) of every local file or folder the download stage reads."""
+        scheme, _, arg = self.source.partition(":")
+        found = [("data.source", arg)] if scheme == "files" or (scheme == "hf" and self.hf_revision is None) else []
+        named = (
+            ("data.sft_files", self.sft_files),
+            ("data.rl_files", self.rl_files),
+            ("data.eval_files", self.eval_files),
+        )
+        return found + [(key, value) for key, value in named if value]
+
+    def validate(self, prefix: str) -> None:
+        for key, pattern in self.local_inputs():
+            if pattern and not inside(pattern, self.inputs):
+                raise StagelmError(
+                    f"{key}: {pattern!r} lies outside {prefix}.inputs {self.inputs!r}, the folder DVC hashes for the "
+                    f"download stage; move the files into it or set {prefix}.inputs to a folder holding them"
+                )
+
+
+def require_inputs(cfg: DataConfig) -> None:
+    """Fail, naming the key, when `data.inputs` (a dependency of the download stage) is not a folder."""
+    if not Path(cfg.inputs).expanduser().is_dir():
+        raise StagelmError(
+            f"data.inputs: {cfg.inputs!r} is not a folder; create it (the repository ships inputs/) "
+            "or point data.inputs at the folder holding your corpus"
+        )
+
+
+def inside(pattern: str, folder: str) -> bool:
+    """Whether the files a path or glob names lie within `folder` (by their paths, before any glob)."""
+    parts = Path(pattern).parts
+    fixed = Path(*[p for p in itertools.takewhile(lambda p: not glob.has_magic(p), parts)] or ["."])
+    base, root = os.path.abspath(os.path.expanduser(fixed)), os.path.abspath(os.path.expanduser(folder))
+    return base == root or base.startswith(root.rstrip(os.sep) + os.sep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,17 +402,31 @@ EXECUTION_KEYS = {
 # --- parsing -------------------------------------------------------------------------
 
 
+def read_yaml(path: Path) -> Any:
+    """A YAML file read as DVC reads it: ruamel.yaml's safe loader, YAML 1.2 (so `5e-05` is a
+    float, as `dvc exp run -S` writes it), duplicate keys refused. Nothing in it is executed.
+    The pure-Python parser: ruamel's C one overflows the C stack on deeply nested input,
+    where Python's raises RecursionError (and params.yaml is small)."""
+    try:
+        return YAML(typ="safe", pure=True).load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise StagelmError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
+    except RecursionError:
+        raise StagelmError(f"{path}: nested too deeply to read; flatten it") from None
+    except YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        problem = str(getattr(err, "problem", "") or "").split("\n")[0]
+        what = f": {problem}" if problem else ""
+        raise StagelmError(f"{path}: not valid YAML{line}{what}; fix the syntax") from None
+
+
 def read_params(path: str | Path) -> dict[str, Any]:
-    """Read params.yaml as a mapping (yaml.safe_load; nothing in it is executed)."""
+    """Read params.yaml as a mapping, with DVC's number rules (`read_yaml`)."""
     path = Path(path)
     if not path.is_file():
         raise StagelmError(f"{path}: params file not found; run from the project root or pass --params")
-    try:
-        params = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where else ""
-        raise StagelmError(f"{path}: not valid YAML{line}; fix the syntax") from None
+    params = read_yaml(path)
     if not isinstance(params, dict):
         raise StagelmError(f"{path}: expected a mapping of sections at the top level")
     return params
@@ -414,7 +474,7 @@ def load_value(params: dict[str, Any], key: str) -> Any:
 def load_seed(params: dict[str, Any]) -> int:
     if "seed" not in params:
         raise StagelmError("seed: missing from params.yaml; add e.g. `seed: 0`")
-    return check_value(params["seed"], int, "seed", NON_NEGATIVE)
+    return check_value(params["seed"], int, "seed", SEED)
 
 
 def parse_dataclass(cls: type, raw: Any, prefix: str) -> Any:
@@ -458,13 +518,21 @@ def check_value(value: Any, hint: Any, key: str, check: tuple | None = None) -> 
     words = {int: "int", float: "float", str: "string", bool: "bool"}[hint]
     ok = isinstance(value, hint) and not (hint is not bool and isinstance(value, bool))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
+        value, ok = (float(value), True) if abs(value) < 2**1023 else (value, False)
+    if ok and hint is float and not math.isfinite(value):  # .inf and .nan pass every comparison check
+        raise StagelmError(f"{key}: expected a finite float, got {value!r}; write a number")
     if ok and check is not None and not check[0](value):
         ok = False
     if not ok:
         what = check[1].format(type=words) if check else ("an int" if hint is int else f"a {words}")
-        raise StagelmError(f"{key}: expected {what}, got {value!r}")
+        raise StagelmError(f"{key}: expected {what}, got {shown(value)}")
     return value
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: an error line stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def section_dict(config: Any) -> dict[str, Any]:

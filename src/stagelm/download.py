@@ -22,6 +22,7 @@ and from the synthetic task families otherwise (the manifest says which).
 """
 
 import codecs
+import csv
 import glob
 import hashlib
 import io
@@ -35,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from stagelm import synthetic
@@ -178,7 +178,10 @@ def file_kind(path: Path) -> str | None:
 def match_files(pattern: str) -> list[Path]:
     """The corpus files a path, directory or glob names, sorted by path; all of one kind."""
     path = Path(pattern)
-    found = sorted(path.rglob("*")) if path.is_dir() else sorted(Path(p) for p in glob.glob(pattern, recursive=True))
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if not hidden(p.relative_to(path)))
+    else:  # glob leaves out hidden names unless the pattern spells them
+        found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
     found = [p for p in found if p.is_file() and file_kind(p)]
     if not found:
         raise StagelmError(
@@ -191,12 +194,26 @@ def match_files(pattern: str) -> list[Path]:
     return found
 
 
+def hidden(relative: Path) -> bool:
+    """Whether a path below a corpus folder is hidden (`.ipynb_checkpoints/`, `.git/`, `.cache`): not corpus."""
+    return any(part.startswith(".") for part in relative.parts)
+
+
 def read_file(path: Path, field: str) -> Iterator[list[str]]:
     """Batches of the documents in one corpus file; any read failure is one line naming the file."""
     kind = file_kind(path)
     readers = {"text": read_text, "json": read_json_rows, "csv": read_csv, "parquet": read_parquet}
     try:
-        yield from readers[kind](path, field)
+        seen = 0
+        for batch in readers[kind](path, field):
+            for i, text in enumerate(batch):
+                if "\0" in text:
+                    raise StagelmError(
+                        f"{path}: document {seen + i + 1} holds a NUL character (offset {text.index(chr(0))}); "
+                        "remove it from the file"
+                    )
+            seen += len(batch)
+            yield batch
     except StagelmError:
         raise
     except FileNotFoundError:
@@ -211,13 +228,19 @@ def open_stream(path: Path) -> io.BufferedReader:
 
 
 def read_text(path: Path, field: str) -> Iterator[list[str]]:
-    """Paragraphs (text between blank lines) as documents; `\\r\\n` read as `\\n`."""
+    """Paragraphs (text between blank lines) as documents; `\\r\\n` read as `\\n`, a UTF-8 byte
+    order mark at the start dropped, a NUL byte refused (a binary file, or one in UTF-16)."""
     del field  # a text file has no fields
-    utf8 = codecs.getincrementaldecoder("utf-8")()
+    utf8 = codecs.getincrementaldecoder("utf-8-sig")()
     carry, pending, batch, offset = "", [], [], 0
     with open_stream(path) as f:
         while True:
             chunk = f.read(READ_CHUNK)
+            if b"\0" in chunk:
+                raise StagelmError(
+                    f"{path}: a NUL byte at byte {offset + chunk.index(0)}; a text corpus holds UTF-8 text, "
+                    "not binary or UTF-16: re-encode or remove the file"
+                )
             try:
                 text = carry + utf8.decode(chunk, final=not chunk)
             except UnicodeDecodeError as err:
@@ -256,6 +279,7 @@ def read_json_rows(path: Path, field: str) -> Iterator[list[str]]:
         batch = []
         for number, row in lines:
             if isinstance(row, bytes):
+                row = row.removeprefix(codecs.BOM_UTF8) if number == 1 else row
                 try:
                     row = json.loads(row)
                 except UnicodeDecodeError:
@@ -281,16 +305,31 @@ def row_text(row: Any, field: str, where: str) -> str:
 
 
 def read_csv(path: Path, field: str) -> Iterator[list[str]]:
-    """Column `field` of a CSV file with a header row, block by block."""
-    options = pacsv.ReadOptions(block_size=16 << 20, use_threads=False)
-    with pa.input_stream(str(path), compression="detect") as f:
-        as_text = pacsv.ConvertOptions(column_types={field: pa.string()})
-        reader = pacsv.open_csv(f, read_options=options, convert_options=as_text)
-        names = reader.schema.names
-        if field not in names:
-            raise StagelmError(f"data.text_field: {path} has no column {field!r}; columns: {names}")
-        for batch in reader:
-            yield [t or "" for t in batch.column(names.index(field)).to_pylist()]
+    """Column `field` of a CSV file with a header row, streamed by Python's `csv` in strict
+    mode: a quote left open says where it opened instead of swallowing the rest of the file."""
+    csv.field_size_limit(1 << 30)  # a document may be long; the default cap is 128 KiB
+    with io.TextIOWrapper(open_stream(path), encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(f, strict=True)
+        start = 1
+        try:
+            names = next(reader, [])
+            if field not in names:
+                raise StagelmError(f"data.text_field: {path} has no column {field!r}; columns: {names}")
+            column, batch, start = names.index(field), [], reader.line_num + 1
+            for row in reader:
+                if len(row) != len(names):
+                    raise StagelmError(
+                        f"{path}:{start}: {len(row)} fields where the header has {len(names)} "
+                        "(a quote left open?); fix the row"
+                    )
+                batch.append(row[column])
+                start = reader.line_num + 1
+                if len(batch) == BATCH_DOCUMENTS:
+                    yield batch
+                    batch = []
+        except csv.Error as err:
+            raise StagelmError(f"{path}:{start}: not valid CSV ({err}; a quote left open?); fix the row") from None
+        yield batch
 
 
 def read_parquet(path: Path, field: str) -> Iterator[list[str]]:
@@ -313,10 +352,13 @@ def hf_batches(name: str, cfg: DataConfig) -> Iterator[list[str]]:
     import datasets
 
     where = f"hf:{name}"
-    if Path(name).is_dir():  # a dataset on disk: no hub, no pin needed
+    if cfg.hf_revision is None:  # a dataset on disk (under data.inputs): no hub, no pin
+        if not Path(name).is_dir():
+            raise StagelmError(
+                f"data.source: {where}: no such local dataset folder; give a folder under data.inputs, "
+                f"or pin a hub dataset with data.hf_revision (a commit, tag or branch)"
+            )
         kwargs = {}
-    elif not cfg.hf_revision:
-        raise StagelmError(f"data.hf_revision: pin hub dataset {name!r} to a commit, tag or branch")
     elif not hub_reachable():
         raise StagelmError(
             f"data.source: the Hugging Face hub is unreachable, so 'hf:{name}' cannot be read; "

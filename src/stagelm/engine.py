@@ -242,7 +242,8 @@ class Engine:
             self.column = 0
         for request in joining:
             if request.cancelled.is_set():
-                request.emit(0, None, "cancelled")
+                for choice in range(request.choices):
+                    request.emit(choice, None, "cancelled")
                 continue
             for choice in range(request.choices):
                 self.join(request, choice)

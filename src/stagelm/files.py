@@ -1,13 +1,28 @@
 """Small file helpers shared by every stage: atomic writes, sha256, JSON."""
 
+import functools
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from stagelm.errors import StagelmError
+
+
+@functools.cache
+def file_mode() -> int:
+    """The mode `open()` gives a new file, 0o666 less the umask: what an atomic write gives its
+    file too (a temporary file starts at 0o600, which another user or service cannot read)."""
+    try:
+        with open("/proc/self/status") as f:  # read without changing it (os.umask both sets and gets)
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -18,10 +33,22 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def replace_folder(new: Path, old: Path) -> None:
+    """Put the finished folder `new` where `old` is, by renames (same file system): `old`
+    steps aside as `.<name>.old` and is removed only once `new` is in its place."""
+    aside = old.with_name(f".{old.name}.old")
+    shutil.rmtree(aside, ignore_errors=True)
+    if old.exists():
+        old.rename(aside)
+    new.rename(old)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -41,8 +41,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise StagelmError(f"temperature: expected >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # inf would make every token equally likely
+            raise StagelmError(f"temperature: expected a finite value >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise StagelmError(f"top_p: expected a value in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -16,6 +16,8 @@ rope scaling, another activation) with one line naming the field.
 
 import dataclasses
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
 
     The files go to a temporary folder beside `out_dir`, which then replaces it: a failed
     or killed export leaves the previous one (or none) and never half of one."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     from stagelm.modeldir import load_model, read_model_context
@@ -141,7 +144,13 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(hf_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            save_file(hf_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        except SafetensorError as err:  # its I/O errors carry the OS error's number in the text
+            code = re.search(r"os error (\d+)", str(err))
+            if code is None:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1])), str(out_dir)) from None
         write_json(tmp / "config.json", hf_config(model.cfg, context, special))
         generation = {
             "bos_token_id": special[BOS],

@@ -49,7 +49,7 @@ def verify_shards(split_dir: str | Path, manifest: dict[str, Any]) -> None:
             )
         if sha256_file(path) != shard["sha256"]:
             raise StagelmError(
-                f"{path}: sha256 differs from manifest.json (corrupt or edited); run `dvc checkout --force {split_dir}`"
+                f"{path}: sha256 differs from manifest.json (corrupt or edited); rebuild it with `dvc repro -f pack`"
             )
 
 

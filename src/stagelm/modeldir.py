@@ -106,6 +106,8 @@ FIELD_CHECKS = {"vocab_size": POSITIVE, "dtype": DTYPE, "param_dtype": DTYPE, "r
 
 
 def model_config_json(model_dir: str | Path) -> dict[str, Any]:
+    if Path(model_dir).exists() and not Path(model_dir).is_dir():
+        raise StagelmError(f"{model_dir}: a file, not a model folder; give the folder (e.g. runs/sft/model)")
     return read_json_object(
         Path(model_dir) / "config.json", f"{model_dir} is not a stagelm model directory (rerun the stage that wrote it)"
     )
@@ -153,9 +155,11 @@ def verify_model_files(model_dir: Path) -> None:
                 f"{model_dir / 'config.json'}: no {key}, so {name} cannot be verified; rerun the stage that wrote it"
             )
         if sha256_file(path) != raw[key]:
+            # Not `dvc checkout --force`: with a link cache it restores the same damaged bytes.
+            stage = f"`dvc repro -f {model_dir.parent.name}`" if model_dir.name == "model" else "its stage"
             raise StagelmError(
                 f"{path}: sha256 differs from config.json's {key} (changed or damaged since it was saved); "
-                f"restore it with `dvc checkout --force {model_dir}` or rerun its stage"
+                f"rebuild it with {stage}"
             )
 
 

@@ -59,6 +59,6 @@ def raw_file(raw_dir: str | Path, name: str) -> Path:
         raise StagelmError(f"{path}: missing; run `dvc checkout --force {raw_dir}` or `dvc repro download`")
     if sha256_file(path) != entry["sha256"]:
         raise StagelmError(
-            f"{path}: sha256 differs from {manifest_path} (corrupt or edited); run `dvc checkout --force {raw_dir}`"
+            f"{path}: sha256 differs from {manifest_path} (corrupt or edited); rebuild it with `dvc repro -f download`"
         )
     return path

@@ -9,33 +9,47 @@ Routes (Starlette on uvicorn):
   template, answered as the assistant;
 - `POST /v1/completions`: a `prompt` string continued;
 - both with `max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n` and `stream`
-  (server-sent events, `data: [DONE]` last); unknown fields are ignored;
+  (server-sent events, `data: [DONE]` last); OpenAI fields it does not implement are
+  refused (400) only where their value would change the answer (`logprobs`, `echo`,
+  `best_of` > n), accepted where neutral; other unknown fields are ignored;
 - `GET /v1/stats`: the engine's counters (requests, refusals, decode steps by batch size);
 - `GET /`: a chat page (plain HTML and JS from this package, nothing from a CDN).
 
 Requests decode together on `stagelm.engine.Engine` (continuous batching over `--slots`
 rows; at most `--queue` requests wait, beyond that 429 at once). Bad input gets an
 OpenAI-style error object (`{"error": {"message", "type", "param", "code"}}`) and a
-4xx, and the server keeps serving. Closing a streaming connection frees its slots.
+4xx, and the server keeps serving. A client that goes away frees its slots, streaming
+or not.
+
+Safe to leave running on a laptop: bound to loopback it answers only loopback Host
+names (`--allow-host` adds one), so a web page cannot reach it by DNS rebinding; a POST
+must say `Content-Type: application/json`, which a page on another origin cannot send
+without the browser asking first (CSRF); a connection must send its request head
+within `--header-timeout` seconds and its body within BODY_DEADLINE (slow clients
+cannot hold the descriptors); stop strings are bounded and matched only on new text;
+`--slots` that the memory cannot hold are refused at start.
 """
 
 import asyncio
 import json
 import signal
-import socket
 import time
 import uuid
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from stagelm.connection import LOOPBACK_NAMES, HostCheck, deadline_protocol, is_loopback, listen
 from stagelm.engine import Engine, Request
 from stagelm.errors import StagelmError
 from stagelm.generate import load_generator
+from stagelm.memory import kv_cache_bytes, require_memory
 from stagelm.tokenizer import ASSISTANT, chat_segments, special_id
 
 MAX_BODY = 1 << 20  # bytes of a request body
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 256  # characters of one stop string: matching costs grow with it
+BODY_DEADLINE = 30.0  # seconds a client may take to send its body once the head is in
 
 
 class BadRequest(Exception):
@@ -44,9 +58,12 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
-        self.kind = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error"}.get(
-            status, "rate_limit_error" if status == 429 else "server_error"
-        )
+        kinds = {429: "rate_limit_error"}
+        self.kind = kinds.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class Gone(Exception):
+    """The client went away before its request was read: nobody to answer."""
 
 
 def error_body(err: BadRequest) -> dict[str, Any]:
@@ -88,9 +105,15 @@ def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
         raise BadRequest(f"seed: expected an integer in [0, {2**31 - 1}], got {seed}", "seed")
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(f"stop: expected a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    if len(stop) > MAX_STOP or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise BadRequest(
+            f"stop: expected a string or a list of at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters",
+            "stop",
+        )
+    for s in stop:
+        text(s, "stop")
     stream = field(body, "stream", (bool,), False)
+    unsupported(body, n)
     return {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -100,6 +123,28 @@ def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
         "stop": stop,
         "stream": stream,
     }
+
+
+def text(value: str, param: str) -> str:
+    """`value` if it is text UTF-8 can carry (JSON's `\\ud800` escapes decode to lone surrogates, which it cannot)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise BadRequest(f"{param}: holds a lone surrogate (\\ud800-\\udfff), not text", param) from None
+    return value
+
+
+def unsupported(body: dict, n: int) -> None:
+    """Refuse the OpenAI fields this server does not implement where their value would change
+    the answer; accept their neutral values, which clients send by default."""
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("logprobs: not supported by this server; leave it out (or false)", "logprobs")
+    if body.get("echo") not in (None, False):
+        raise BadRequest("echo: not supported by this server; leave it out (or false)", "echo")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise BadRequest(f"best_of: only best_of = n ({n}) is supported; leave it out", "best_of")
 
 
 def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
@@ -124,7 +169,7 @@ def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
             )
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content: expected a string", "messages")
-        turns.append({"role": role, "content": content})
+        turns.append({"role": role, "content": text(content, "messages")})
     if turns[-1]["role"] != "user":
         raise BadRequest("messages: the last message must be the user's", "messages")
     ids, _ = chat_segments(tokenizer, turns)
@@ -137,7 +182,7 @@ def completion_prompt(body: dict, tokenizer: Any) -> list[int]:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt: expected a non-empty string", "prompt")
-    return tokenizer.encode(prompt, add_special_tokens=False).ids
+    return tokenizer.encode(text(prompt, "prompt"), add_special_tokens=False).ids
 
 
 # --- one choice's text --------------------------------------------------------------------
@@ -146,13 +191,16 @@ def completion_prompt(body: dict, tokenizer: Any) -> list[int]:
 class ChoiceText:
     """The text of one choice as tokens arrive: decoded whole (multi-byte characters
     complete), cut at the first stop string, and released in pieces that can no
-    longer turn out to be part of a stop string."""
+    longer turn out to be part of a stop string. A stop string can only begin in the
+    text not yet released (what was released ends in no stop string's prefix), so each
+    token searches that tail alone: the work per token does not grow with the text."""
 
     def __init__(self, tokenizer: Any, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.sent = 0  # characters of the text already released
         self.stopped = False
+        self.cut: int | None = None  # where the stop string began
 
     def add(self, token: int) -> str:
         """The new text safe to release after `token` ("" while it may still be a stop string)."""
@@ -160,9 +208,10 @@ class ChoiceText:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
         if text.endswith("\ufffd"):  # half a character: wait for the rest
             return ""
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut = min((i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
+            self.cut = cut
             return self.release(text[:cut])
         held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return self.release(text[: len(text) - held])
@@ -176,8 +225,7 @@ class ChoiceText:
     def whole(self) -> str:
         """The choice's whole text, cut at the first stop string."""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        return text[:cut] if cut >= 0 else text
+        return text[: self.cut] if self.cut is not None else text
 
     def release(self, text: str) -> str:
         piece = text[self.sent :]
@@ -188,11 +236,22 @@ class ChoiceText:
 # --- the app ------------------------------------------------------------------------------
 
 
+def inline_json(value: Any) -> str:
+    """`value` as JSON safe inside the page's <script>: `<`, `>` and `&` escaped, so a name
+    holding `</script>` cannot close the script and run its own."""
+    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 class Server:
-    def __init__(self, model_dir: Path, name: str, slots: int, queue: int):
+    def __init__(self, model_dir: Path, name: str, slots: int, queue: int, hosts: tuple[str, ...] = ()):
         self.gen = load_generator(model_dir)
+        cfg = self.gen.model.cfg
+        cache = kv_cache_bytes(cfg, slots, self.gen.capacity)
+        logits = 4 * slots * cfg.vocab_size * 3  # the engine's logits and a step's copies of them
+        require_memory(cache + logits, "--slots", f"{slots} slots × {self.gen.capacity} positions of KV cache")
         self.tokenizer = self.gen.tokenizer
         self.name = name
+        self.hosts = hosts  # Host names answered; () = any
         self.engine = Engine(self.gen, slots, queue)
         self.created = int(time.time())
 
@@ -217,18 +276,31 @@ class Server:
             self.engine.counters["steps_by_batch"].clear()
 
     async def body(self, request: Any) -> dict:
+        from starlette.requests import ClientDisconnect
+
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":  # a form post from a web page cannot set it (CSRF)
+            raise BadRequest(f"Content-Type: expected application/json, got {kind or 'none'!r}", status=415)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY:
             raise BadRequest(f"request body of {int(length):,} bytes exceeds the limit of {MAX_BODY:,}", status=413)
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > MAX_BODY:
-                raise BadRequest(f"request body exceeds the limit of {MAX_BODY:,} bytes", status=413)
+        try:
+            async with asyncio.timeout(BODY_DEADLINE):
+                async for chunk in request.stream():
+                    data += chunk
+                    if len(data) > MAX_BODY:
+                        raise BadRequest(f"request body exceeds the limit of {MAX_BODY:,} bytes", status=413)
+        except TimeoutError:
+            raise BadRequest(f"request body not received within {BODY_DEADLINE:.0f} s", status=408) from None
+        except ClientDisconnect:
+            raise Gone() from None
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
+        except RecursionError:
+            raise BadRequest("the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")
@@ -270,7 +342,7 @@ class Server:
         return request, events
 
     async def complete(self, http: Any, chat: bool) -> Any:
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
 
         try:
             body = await self.body(http)
@@ -282,13 +354,21 @@ class Server:
             request, events = self.start(prompt, opts, chat)
         except BadRequest as err:
             return JSONResponse(error_body(err), status_code=err.status)
+        except Gone:
+            return Response(status_code=400)  # never sent: the connection is closed
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         texts = [ChoiceText(self.tokenizer, opts["stop"]) for _ in range(opts["n"])]
         meta = {"id": ident, "created": int(time.time()), "model": self.name}
         if opts["stream"]:
             chunks = self.stream(request, events, texts, meta, chat)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        finishes = await self.collect(request, events, texts)
+        watch = asyncio.create_task(self.watch(http, request, events))
+        try:
+            finishes = await self.collect(request, events, texts)
+        finally:
+            watch.cancel()
+        if finishes is None:
+            return Response(status_code=499)  # the client went away; nothing is sent
         if "error" in finishes:  # the engine failed on this batch (its traceback is in the server's log)
             err = BadRequest("the engine failed while decoding this request; see the server's log", status=500)
             return JSONResponse(error_body(err), status_code=500)
@@ -309,12 +389,22 @@ class Server:
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({**meta, "object": obj, "choices": choices, "usage": usage})
 
-    async def collect(self, request: Request, events: asyncio.Queue, texts: list[ChoiceText]) -> list[str]:
-        """Wait for every choice to finish; the finish reasons, in OpenAI's words."""
+    @staticmethod
+    async def watch(http: Any, request: Request, events: asyncio.Queue) -> None:
+        """Cancel `request` when its client disconnects (the body is read: the next message is that)."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        request.cancel()
+        events.put_nowait((None, None, "gone"))
+
+    async def collect(self, request: Request, events: asyncio.Queue, texts: list[ChoiceText]) -> list[str] | None:
+        """Wait for every choice to finish; the finish reasons, in OpenAI's words (None: the client went away)."""
         finishes: list[str | None] = [None] * len(texts)
         try:
             while any(f is None for f in finishes):
                 choice, token, finish = await events.get()
+                if choice is None:  # the client disconnected
+                    return None
                 if finishes[choice] is not None:
                     continue
                 if token is not None:
@@ -397,8 +487,10 @@ class Server:
         async def stats(_: HttpRequest) -> JSONResponse:
             return JSONResponse(self.engine.snapshot())
 
+        inline = inline_json(self.name)
+
         async def index(_: HttpRequest) -> HTMLResponse:
-            return HTMLResponse(page.replace("{{MODEL}}", json.dumps(self.name)))
+            return HTMLResponse(page.replace("{{MODEL}}", inline))
 
         async def not_found(http: HttpRequest, exc: Exception) -> JSONResponse:
             status = getattr(exc, "status_code", 404)
@@ -413,26 +505,35 @@ class Server:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/stats", stats),
         ]
-        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+        app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+        return HostCheck(app, self.hosts) if self.hosts else app
 
 
-def serve(model_dir: Path, host: str, port: int, slots: int, queue: int, name: str | None = None) -> None:
+def serve(
+    model_dir: Path,
+    host: str,
+    port: int,
+    slots: int,
+    queue: int,
+    name: str | None = None,
+    allow_hosts: tuple[str, ...] = (),
+    header_timeout: float = 10.0,
+) -> None:
     """Load the model, compile, and serve until interrupted."""
     try:
         import uvicorn
     except ImportError:
         raise StagelmError("serve: needs the serve extra; pip install -e '.[serve]'") from None
-    with socket.socket() as probe:  # a taken port fails here, in one line, before the model loads
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            why = f"cannot listen on {host}:{port} ({err.strerror})"
-            raise StagelmError(f"--port {port}: {why}; choose another port") from None
-    server = Server(model_dir, name or str(model_dir), slots, queue)
+    sock = listen(host, port)  # a taken port fails here, in one line, before the model loads
+    port = sock.getsockname()[1]
+    hosts = (*LOOPBACK_NAMES, *allow_hosts) if is_loopback(host) else allow_hosts
+    server = Server(model_dir, name or str(model_dir), slots, queue, hosts)
     server.warm_up()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again: let it
     # end the process as usual (the stages' handler would print advice about checkpoints).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    print(f"serve: {model_dir} as {server.name!r} on http://{host}:{port} ({slots} slots, queue {queue})", flush=True)
-    uvicorn.run(server.app(), host=host, port=port, log_level="warning")
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serve: {model_dir} as {server.name!r} on http://{shown}:{port} ({slots} slots, queue {queue})", flush=True)
+    config = uvicorn.Config(server.app(), log_level="warning", http=deadline_protocol(header_timeout))
+    uvicorn.Server(config).run(sockets=[sock])

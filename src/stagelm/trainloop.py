@@ -31,6 +31,7 @@ from stagelm.distributed import initialize
 from stagelm.errors import StagelmError
 from stagelm.hardware import describe_devices
 from stagelm.loader import MixedRows, PackedRows, batch_iterator
+from stagelm.memory import require_memory
 from stagelm.meshbatch import check_batch, evaluate, global_batch
 from stagelm.metrics import MetricLog
 from stagelm.sharding import make_mesh, param_shardings, replicated
@@ -160,6 +161,11 @@ def train(
         step_fn = make_train_step(graphdef, tx, loss_fn, out_shardings=(st_sh, replicated(mesh)))
         eval_fn = make_eval_step(graphdef, eval_loss_fn or loss_fn)
         local_rows = cfg.batch_size * cfg.grad_accum // jax.process_count()
+        if batches is None and cfg.batch_size * cfg.grad_accum > len(train_rows):
+            raise StagelmError(
+                f"{batch_key}: {cfg.batch_size} × {cfg.section}.grad_accum {cfg.grad_accum} rows per step, but the "
+                f"training data holds {len(train_rows)} rows; lower it or pack more data"
+            )
         data = batches or PackedBatches(train_rows, local_rows, seed)
 
         ckpt = Checkpoints(checkpoint_root / fingerprint, cfg.keep_checkpoints)
@@ -219,6 +225,8 @@ def train(
                 timer.pause()  # host-side work (rollouts) is not the train step's time
             host_before = bool(host)
             batch = global_batch(local, cfg.grad_accum, mesh)
+            if step == start + 1:  # compiles the step (the call below reuses it) and checks its memory
+                require_step_memory(step_fn, state, frozen, batch, f"{batch_key} (or pack.seq_len)")
             state, metrics = step_fn(state, frozen, batch)
             timer.tick(step == start + 1)
             if pending is not None:
@@ -244,6 +252,18 @@ def train(
     summary = summarize(log.history, timer, tokens_per_step, flops_per_token, peak_flops)
     log.close(summary)
     return TrainResult(model, log.history, summary, resumed)
+
+
+def require_step_memory(step_fn: Any, state: Any, frozen: Any, batch: Any, key: str) -> None:
+    """Compile the train step for these arguments and refuse, naming `key`, a step whose
+    buffers (XLA's own figures: temporaries and outputs, less what reuses donated inputs)
+    do not fit in the memory left beside the state already placed."""
+    stats = step_fn.lower(state, frozen, batch).compile().memory_analysis()
+    if stats is None:  # a backend without the analysis
+        return
+    need = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+    rows, row_len = next(iter(batch.values())).shape[-2:]
+    require_memory(max(need, 0), key, f"a train step of {rows} rows × {row_len} tokens")
 
 
 class StepTimer:

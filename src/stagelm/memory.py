@@ -1,0 +1,106 @@
+"""Memory a stage or the server is about to ask for, against what the machine has.
+
+A size typed into params.yaml or a flag (`pack.seq_len: 1000000000`, `serve --slots
+100000`) should fail in one line before anything is allocated, not as an out-of-memory
+traceback minutes later or a machine swapping. The figures here are plain arithmetic
+on the shapes (a KV cache, a model's parameters and Adam's moments, pack's buffers);
+what is available is the accelerator's own limit, or on the CPU the smaller of the
+kernel's MemAvailable and what the process's cgroup still allows.
+
+    need = kv_cache_bytes(model.cfg, rows=slots, length=capacity)
+    require_memory(need, "--slots", f"{slots} slots × {capacity} positions of KV cache")
+"""
+
+from pathlib import Path
+from typing import Any
+
+from stagelm.errors import StagelmError
+
+GIB = 1 << 30
+# What the rest of the process needs beside the figure checked (the runtime, compiled
+# programs, buffers the arithmetic does not count): a request must leave this much free.
+HEADROOM = 1 << 29
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def param_count(
+    vocab_size: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int, tie_embeddings: bool = True
+) -> int:
+    """Parameters of a stagelm decoder of this shape (stagelm.model: RMSNorm, GQA, SwiGLU)."""
+    head = d_model // n_heads
+    attention = d_model * n_heads * head + 2 * d_model * n_kv_heads * head + n_heads * head * d_model
+    layer = attention + 3 * d_model * d_ff + 2 * d_model
+    return vocab_size * d_model * (1 if tie_embeddings else 2) + n_layers * layer + d_model
+
+
+def kv_cache_bytes(cfg: Any, rows: int, length: int) -> int:
+    """A KV cache of `rows` × `length` positions for a decoder config (`stagelm.model.DecoderConfig`):
+    keys and values of every layer, plus the int32 segment and position of each slot."""
+    per_position = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(cfg.dtype) + 8
+    return rows * length * per_position
+
+
+def cgroup_limit() -> int | None:
+    """Bytes the process's cgroup still allows (v2's memory.max, or v1's memory controller),
+    or None when it sets no limit or cannot be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            files = Path("/sys/fs/cgroup", path.lstrip("/")), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            files = Path("/sys/fs/cgroup/memory", path.lstrip("/")), "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder, limit_file, usage_file = files
+        try:
+            limit = (folder / limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:  # no limit set
+                continue
+            return int(limit) - int((folder / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def host_available() -> int | None:
+    """min(MemAvailable, the cgroup's room) in bytes; None where neither can be read."""
+    figures = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                figures.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    room = cgroup_limit()
+    if room is not None:
+        figures.append(room)
+    return min(figures) if figures else None
+
+
+def available_bytes() -> int | None:
+    """Memory the first local device can still hand out (an accelerator's own figures), or the host's."""
+    import jax
+
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return host_available()
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def require_memory(need: int, key: str, what: str, have: int | None = None, fix: str = "lower it") -> None:
+    """Refuse, naming `key`, when `need` bytes (for `what`) do not fit in what is available."""
+    have = available_bytes() if have is None else have
+    if have is not None and need + HEADROOM > have:
+        raise StagelmError(f"{key}: {what} needs {gib(need)}, but {gib(have)} is available; {fix}")
