@@ -87,12 +87,15 @@ def test_training_checkpoints_and_exports_on_a_full_disk_are_one_line(pretrained
     assert not [p for p in disk.iterdir() if p.name.endswith("hf") or "export" in p.name]
 
 
-def test_a_read_only_folder_is_one_line(micro_data, tmp_path, mount):
+def test_a_read_only_folder_is_one_line(micro_data, pretrained, tmp_path, mount):
     disk = mount(1 << 20, read_only=True)
     (tmp_path / "inputs").mkdir()
     write_params(tmp_path / "params.yaml", micro_params())
     one_line(stage("download.py", tmp_path, "--out", str(disk / "raw")), "read-only; write to a writable folder")
     one_line(stage("params.py", tmp_path, "--out", str(disk / "stamp.json")), "read-only")
+    one_line(run(["stagelm", "export-hf", str(pretrained), str(disk / "hf")], tmp_path, check=False), "read-only")
+    run(["stagelm", "export-hf", str(pretrained), str(tmp_path / "hf")], tmp_path)
+    one_line(run(["stagelm", "import-hf", str(tmp_path / "hf"), str(disk / "m")], tmp_path, check=False), "read-only")
 
 
 def test_an_injected_full_disk_is_one_line_anywhere(monkeypatch, capsys, tmp_path):
