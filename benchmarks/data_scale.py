@@ -1,7 +1,7 @@
 """The data path at scale: time and peak memory of the download, tokenizer and pack stages (dev script).
 
     python benchmarks/data_scale.py --chars 1e8          # 100 M characters of text
-    python benchmarks/data_scale.py --chars 1e9 --work /tmp/scale --format jsonl.gz
+    python benchmarks/data_scale.py --chars 1e9 --work scale-work --format jsonl.gz
 
 Writes a corpus folder as a user would bring one: files of about 100 MB of text each
 (`--format` txt, jsonl, jsonl.gz or parquet) holding the synthetic corpus (seed 0)
