@@ -21,7 +21,7 @@ from stagelm import distributed
 from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
 from stagelm.files import read_json, replace_folder, sha256_file, write_json
-from stagelm.memory import host_available, require_memory
+from stagelm.memory import host_available, pack_buffer_bytes, require_memory
 from stagelm.pack import ShardWriter, pack_chats, pack_corpus, write_manifest, write_split
 from stagelm.rawdata import iter_column, read_raw
 from stagelm.stage import beside, start
@@ -54,10 +54,8 @@ def pack_splits(cfg: Any, raw: Path, tokenizer: Path, out: Path, index: int, cou
     tok_path = tokenizer / "tokenizer.json"
     tok = load_tokenizer(tok_path)
     vocab, row_len = tok.get_vocab_size(), cfg.seq_len + 1  # seq_len inputs plus the last shifted target
-    # a shard's rows, in up to four int32 columns, held about three times over while it is cut and written
-    need = 3 * 4 * 4 * cfg.rows_per_shard * row_len
     what = f"a shard of pack.rows_per_shard {cfg.rows_per_shard} rows × {row_len} tokens"
-    require_memory(need, "pack.seq_len", what, have=host_available())
+    require_memory(pack_buffer_bytes(cfg.rows_per_shard, row_len), "pack.seq_len", what, have=host_available())
     meta = {"tokenizer_sha256": sha256_file(tok_path), "vocab_size": vocab, "seq_len": cfg.seq_len}
 
     for split in ("train", "val"):  # streamed: documents in batches, shards written as they fill

@@ -17,7 +17,7 @@ from stagelm.errors import StagelmError, run_main
 from stagelm.hardware import peak_flops
 from stagelm.hf import import_hf
 from stagelm.loader import PackedRows
-from stagelm.memory import dtype_bytes, param_count, require_memory
+from stagelm.memory import param_count, require_memory, training_state_bytes
 from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token
 from stagelm.modeldir import save_model
 from stagelm.trainloop import record_training, start_training, train
@@ -40,7 +40,7 @@ def main() -> None:
         n = param_count(manifest["vocab_size"], **model_cfg.shape(), tie_embeddings=model_cfg.tie_embeddings)
         what = f"{n:,} parameters with their gradients and Adam's two moments"
         fix = "lower model.d_model, model.n_layers or model.d_ff"
-        require_memory(4 * n * dtype_bytes(model_cfg.param_dtype), "model", what, fix=fix)
+        require_memory(training_state_bytes(n, model_cfg.param_dtype), "model", what, fix=fix)
         model = Decoder(DecoderConfig(vocab_size=manifest["vocab_size"], **model_cfg.architecture()), nnx.Rngs(seed))
         origin = "from scratch"
     else:

@@ -190,11 +190,13 @@ def quiet_saving() -> Any:
     sys.unraisablehook = drop_closed_loop
     try:
         yield
-    except BaseException:
+    except Exception as err:
+        if "os_error_code=" not in str(err):  # not a failed write: nothing to hold back afterwards
+            absl.setLevel(level)
+            sys.unraisablehook = hook
         raise
-    else:
-        absl.setLevel(level)
-        sys.unraisablehook = hook
+    absl.setLevel(level)
+    sys.unraisablehook = hook
 
 
 def file_hashes(step_dir: Path) -> dict[str, str]:

@@ -98,7 +98,15 @@ def print_estimates(sections: dict) -> None:
     cap), against what this machine has: a warning line for each that does not fit."""
     from types import SimpleNamespace
 
-    from stagelm.memory import HEADROOM, dtype_bytes, gib, host_available, kv_cache_bytes, param_count
+    from stagelm.memory import (
+        HEADROOM,
+        gib,
+        host_available,
+        kv_cache_bytes,
+        pack_buffer_bytes,
+        param_count,
+        training_state_bytes,
+    )
 
     model, vocab, seq = sections["model"], sections["tokenizer"].vocab_size, sections["pack"].seq_len
     shape = SimpleNamespace(
@@ -107,8 +115,8 @@ def print_estimates(sections: dict) -> None:
     n = param_count(vocab, **model.shape(), tie_embeddings=model.tie_embeddings)
     ev, grpo = sections["eval"], sections["grpo"]
     estimates = {
-        "model (parameters, gradients, Adam's moments)": 4 * n * dtype_bytes(model.param_dtype),
-        "pack (a shard's buffers)": 3 * 4 * 4 * sections["pack"].rows_per_shard * (seq + 1),
+        "model (parameters, gradients, Adam's moments)": training_state_bytes(n, model.param_dtype),
+        "pack (a shard's buffers)": pack_buffer_bytes(sections["pack"].rows_per_shard, seq + 1),
         "eval (KV cache)": kv_cache_bytes(shape, ev.task_batch_size, seq + ev.max_new_tokens),
         "grpo (rollouts' KV cache)": kv_cache_bytes(shape, grpo.prompts_per_step * grpo.group_size, seq),
     }

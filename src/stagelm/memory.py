@@ -36,6 +36,16 @@ def param_count(
     return vocab_size * d_model * (1 if tie_embeddings else 2) + n_layers * layer + d_model
 
 
+def training_state_bytes(n_params: int, param_dtype: str) -> int:
+    """Parameters, their gradients and Adam's two moments, each in the parameters' dtype."""
+    return 4 * n_params * dtype_bytes(param_dtype)
+
+
+def pack_buffer_bytes(rows_per_shard: int, row_len: int) -> int:
+    """pack's shard of rows: up to four int32 columns, held about three times over while it is cut and written."""
+    return 3 * 4 * 4 * rows_per_shard * row_len
+
+
 def kv_cache_bytes(cfg: Any, rows: int, length: int) -> int:
     """A KV cache of `rows` × `length` positions for a decoder config (`stagelm.model.DecoderConfig`):
     keys and values of every layer, plus the int32 segment and position of each slot."""
