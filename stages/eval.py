@@ -18,6 +18,7 @@ from stagelm.evaluation import (
     answer_tasks,
     family_accuracy,
     limit_per_family,
+    pass_k_metrics,
     task_metrics,
     task_prompts,
     val_metrics,
@@ -64,6 +65,12 @@ def main() -> None:
     if cfg.sample_temperature > 0:  # what GRPO's rollouts see: one sampled chat answer per prompt
         sampled = answer_tasks(gen, tasks, "chat", cfg.task_batch_size, cfg.max_new_tokens, cfg.sample_temperature)
         metrics["chat_sampled"] = {"temperature": cfg.sample_temperature, **family_accuracy(sampled)}
+    if cfg.pass_k:  # k sampled answers per prompt: what sampling more often can reach (pass@k)
+        chosen = limit_per_family(tasks, cfg.pass_k_prompts)
+        repeated = [t for t in chosen for _ in range(cfg.pass_k)]
+        samples = answer_tasks(gen, repeated, "chat", cfg.task_batch_size, cfg.max_new_tokens, cfg.sample_temperature)
+        passes = pass_k_metrics(samples, cfg.pass_k)
+        metrics["chat_pass_k"] = {"k": cfg.pass_k, "temperature": cfg.sample_temperature, **passes}
 
     if jax.process_index() == 0:
         write_json(args.out / "metrics.json", metrics)

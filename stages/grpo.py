@@ -73,7 +73,7 @@ def main() -> None:
         out_dir=args.out,
         checkpoint_root=args.checkpoints,
         fingerprint=fp,
-        loss_fn=grpo_loss(cfg.clip_eps, cfg.kl_coef, cfg.anchor_coef),
+        loss_fn=grpo_loss(cfg.clip_eps, cfg.kl_coef, cfg.anchor_coef, cfg.clip_eps_high),
         eval_loss_fn=lm_loss,
         batches=rollouts,
         trainable=trainable,

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from stagelm.errors import StagelmError
-from stagelm.evaluation import answer_tasks
+from stagelm.evaluation import answer_tasks, pass_at_k, pass_k_metrics
 from stagelm.files import sha256_file
 from stagelm.generate import Generator, Sampling, sample_tokens
 from stagelm.model import Decoder, DecoderConfig
@@ -154,3 +154,21 @@ def test_sampled_eval_answers_are_reproducible_and_greedy_at_a_vanishing_tempera
     assert sampled == answer_tasks(gen, tasks, "chat", 16, 12, temperature=1.0)
     assert [r["completion"] for r in sampled] != [r["completion"] for r in greedy]
     assert answer_tasks(gen, tasks, "chat", 16, 12, temperature=1e-6) == greedy
+
+
+def test_pass_at_k_by_hand_and_over_sampled_answers(gen, micro_data):
+    """Chen et al.'s estimator on hand cases; over k samples per prompt pass@k is the share of
+    prompts with a correct one and pass@1 the share of correct samples."""
+    assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0 and pass_at_k(8, 1, 1) == 0.125
+    assert pass_at_k(8, 4, 2) == pytest.approx(1 - 6 / 28)  # C(4, 2) / C(8, 2) pairs hold no correct answer
+    # a policy that is right on one answer in four: 1 - 0.75^4 of four-sample tries hold one, on average
+    records = [{"family": "a", "correct": i % 4 == 0} for i in range(4 * 100)]
+    metrics = pass_k_metrics(records, 4)
+    assert metrics["a"]["pass_at_1"] == 0.25 and metrics["a"]["pass_at_4"] == 1.0 and metrics["n"] == 100
+    tasks = read_raw(micro_data / "raw", "eval").to_pylist()[:24]
+    sampled = answer_tasks(gen, [t for t in tasks for _ in range(4)], "chat", 32, 12, temperature=1.0)
+    passes = pass_k_metrics(sampled, 4)
+    per_prompt = np.array([r["correct"] for r in sampled]).reshape(24, 4)
+    assert passes["pass_at_4"] == pytest.approx(per_prompt.any(axis=1).mean())
+    assert passes["pass_at_1"] == pytest.approx(per_prompt.mean())
+    assert len({r["completion"] for r in sampled[:4]}) > 1  # four draws, not one answer repeated

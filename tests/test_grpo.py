@@ -1,19 +1,28 @@
 """GRPO: advantages and the clipped loss on hand-computed cases, on-policy ≡ policy gradient, the stage."""
 
+import json
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
 from flax import nnx
 
+from stagelm.config import load_section
 from stagelm.files import read_json
-from stagelm.grpo import graded_length, group_advantages, grpo_loss, token_logprobs
+from stagelm.generate import Generator, Sampling
+from stagelm.grpo import Rollouts, graded_length, group_advantages, grpo_loss, rollout_sets, token_logprobs
+from stagelm.loader import PackedRows
 from stagelm.model import Decoder, DecoderConfig, count_params
-from stagelm.modeldir import load_model
-from stagelm.trainstep import next_token_targets
+from stagelm.modeldir import load_model, read_model_context
+from stagelm.sharding import make_mesh
+from stagelm.tasks.arithmetic import arithmetic_task, working
+from stagelm.tokenizer import chat_segments, load_tokenizer
+from stagelm.trainloop import train
+from stagelm.trainstep import lm_loss, next_token_targets
 
 CFG = DecoderConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
 
@@ -25,6 +34,8 @@ def test_group_advantages_by_hand():
     np.testing.assert_allclose(adv[0], [0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std], rtol=1e-5)
     np.testing.assert_array_equal(adv[1], 0.0)  # a group that agrees teaches nothing
     np.testing.assert_allclose(adv[2], [-1, 1, -1, 1], rtol=1e-5)
+    unscaled = group_advantages(rewards, "none")  # Dr. GRPO: the reward less the group's mean, no std
+    np.testing.assert_allclose(unscaled, [[0.75, -0.25, -0.25, -0.25], [0, 0, 0, 0], [-1, 1, -1, 1]], rtol=1e-6)
 
 
 def test_graded_length_stops_at_the_end_of_the_answer():
@@ -88,6 +99,11 @@ def test_clipping_and_kl_by_hand():
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
     np.testing.assert_allclose(float(aux["clip_fraction"]), 5, rtol=1e-6)
     np.testing.assert_allclose(float(aux["kl"]), 5 * kl, rtol=1e-4)
+    # DAPO's higher upper clip: row 0's ratio is held at 1.28, not 1.2; row 1 is as before
+    loss, _, aux = grpo_loss(0.2, 0.5, clip_eps_high=0.28)(model, batch, None)
+    expected = 3 * (-1.28 * 1.5 + 0.5 * kl) + 2 * (-1.5 * -0.5 + 0.5 * kl)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(aux["clip_fraction"]), 5, rtol=1e-6)
 
 
 def test_anchor_term_by_hand():
@@ -159,8 +175,8 @@ def grpo_command(micro_data, model, work):
     ]
 
 
-def rewards_of(work):
-    rows = (work / "out/plots/metrics/rollout/reward.tsv").read_text().strip().splitlines()[1:]
+def rewards_of(work, metric: str = "reward"):
+    rows = (work / f"out/plots/metrics/rollout/{metric}.tsv").read_text().strip().splitlines()[1:]
     return [float(r.split("\t")[1]) for r in rows]
 
 
@@ -188,8 +204,9 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, method):
     change = {"steps": 12, "eval_every": 12, "checkpoint_every": 2, "updates_per_rollout": 2, "kl_coef": 0.05}
-    if method == "lora":  # adapters only, with the anchor term: its rows are drawn per (seed, rollout, update)
-        change |= {"method": "lora", "lr": 1e-3}
+    if method == "lora":  # adapters only, with the anchor term: its rows are drawn per (seed, rollout, update),
+        # and dynamic sampling: the prompts a rollout drew beyond its own batch move the stream on
+        change |= {"method": "lora", "lr": 1e-3, "dynamic_sampling": True, "max_draws": 2}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     for work in (killed, whole):
         work.mkdir()
@@ -202,6 +219,8 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
     for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
         np.testing.assert_array_equal(x, y)
     assert rewards_of(killed) == rewards_of(whole)
+    drawn = [rewards_of(w, "prompts_drawn") for w in (killed, whole)]
+    assert drawn[0] == drawn[1] and (max(drawn[1]) > 8) == (method == "lora"), drawn
     provenance = read_json(whole / "out/provenance.json")
     assert provenance["stage"] == "grpo"
     if method == "lora":  # the saved model is merged: an ordinary decoder, moved off the SFT weights
@@ -236,3 +255,128 @@ def test_grpo_bad_params_fail_in_one_line(micro_data, policy, tmp_path, change, 
     (line,) = stderr.strip().splitlines()
     assert message in line
     assert not (tmp_path / "out").exists()
+
+
+# --- the update is the one intended: the sampler's log-probs, the mask, a one-prompt bandit --------------------
+
+
+def test_the_update_scores_the_sampled_tokens_as_the_sampler_drew_them(micro_data, policy):
+    """The rollout's training rows hold the sampled tokens under the completion mask, and the
+    log-probs the update computes from them (teacher-forced, whole rows) equal the ones the
+    KV-cache sampler drew them with: same positions, segments, padding and mask."""
+    cfg = load_section(micro_params(grpo={"prompts_per_step": 8, "group_size": 4, "anchor_coef": 0.0}), "grpo")
+    tasks, _ = rollout_sets(micro_data / "raw", cfg)
+    model = load_model(policy)
+    gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
+    rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed=0)
+    prompts = [rollouts.prompts[i] for i in rollouts.prompt_indices(0, 8) for _ in range(4)]
+    tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
+    stop = gen.stop_mask(chat=True, stop_at_newline=True)
+    key = jax.random.fold_in(jax.random.key(0), 0)  # rollout 0's key
+    sampled, logp = gen.decode_with_logprobs(gen.params, tokens, seg, pos, stop, key, Sampling(1.0), cfg.max_new_tokens)
+    rollouts.draw(gen.params)
+    batch, width = rollouts.batch, tokens.shape[1]
+    mask = batch["completion_mask"].astype(bool)
+    assert not mask[:, :width].any() and mask.sum(1).min() >= 1  # no prompt or pad token trains; every row has one
+    np.testing.assert_array_equal(batch["tokens"][:, :width], tokens)
+    np.testing.assert_array_equal(batch["tokens"][:, width:][mask[:, width:]], np.asarray(sampled)[mask[:, width:]])
+    assert (batch["segment_ids"][mask] == 1).all()
+    np.testing.assert_allclose(batch["old_logp"][mask], np.asarray(logp)[mask[:, width:]], atol=1e-4)
+    adv = batch["advantages"]  # one value per row: the loss reads it only under the mask
+    assert (adv == adv[:, :1]).all()
+
+
+def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path):
+    """One prompt, two answers the policy gives equally often, one rewarded: the GRPO update drives
+    the rewarded answer's probability from about a half to nearly one."""
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    task = arithmetic_task(23, "plus", 58)
+    right, wrong = task.chat_answer, working(23, "plus", 57)  # "... so 81." and "... so 80."
+    answers = [
+        chat_segments(tok, [{"role": "user", "content": task.chat_prompt}, {"role": "assistant", "content": a}])
+        for a in (right, wrong)
+    ]
+    width = max(len(ids) for ids, _ in answers)
+    rows = {k: np.zeros((2, width), np.int32) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+    for i, (ids, mask) in enumerate(answers):
+        rows["tokens"][i, : len(ids)], rows["loss_mask"][i, : len(ids)] = ids, mask
+        rows["segment_ids"][i, : len(ids)], rows["positions"][i, : len(ids)] = 1, np.arange(len(ids))
+    cfg = DecoderConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    model = Decoder(cfg, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def teach(model, optimizer, rows):  # both answers, equally
+        loss, grads = nnx.value_and_grad(lambda m: lm_loss(m, rows, None)[0])(model)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit
+    def answer_logp(model, rows):
+        inputs, targets, weights = next_token_targets(rows)
+        logp = token_logprobs(model(inputs["tokens"], inputs["segment_ids"], inputs["positions"]), targets)
+        return jnp.sum(logp * weights, axis=1)
+
+    def share_right(model) -> float:
+        logp = np.asarray(answer_logp(model, rows), np.float64)
+        return float(np.exp(logp[0] - np.logaddexp(logp[0], logp[1])))
+
+    for _ in range(150):
+        teach(model, optimizer, rows)
+    before = share_right(model)
+    assert 0.25 < before < 0.75, before
+
+    change = {"prompts_per_step": 4, "group_size": 8, "steps": 10, "eval_every": 10, "checkpoint_every": 10}
+    change |= {"updates_per_rollout": 1, "lr": 3e-3, "warmup_steps": 1, "kl_coef": 0.0, "anchor_coef": 0.0}
+    change |= {"max_new_tokens": 40}  # the worked answer is 26 tokens
+    grpo = load_section(micro_params(grpo=change), "grpo")
+    rl = [{"family": "arithmetic", "chat_prompt": task.chat_prompt, "spec": json.dumps(task.spec)}]
+    gen = Generator(model, tok, 128)
+    rollouts = Rollouts(grpo, gen, nnx.graphdef(model), rl, seed=0)
+    result = train(
+        model,
+        grpo,
+        None,
+        PackedRows(micro_data / "packed/val"),
+        seed=0,
+        mesh=make_mesh(1, 1, 1, jax.devices()[:1]),
+        out_dir=tmp_path / "out",
+        checkpoint_root=tmp_path / "ckpt",
+        fingerprint="bandit",
+        loss_fn=grpo_loss(grpo.clip_eps, 0.0),
+        eval_loss_fn=lm_loss,
+        batches=rollouts,
+    )
+    after = share_right(result.model)
+    assert after > 0.95, (before, after)
+    rewards = [r["rollout/reward"] for r in result.history if "rollout/reward" in r]
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]), rewards  # other tokens sampled at T=1 still miss
+
+
+def test_dynamic_sampling_fills_the_update_with_groups_that_differ(micro_data, policy):
+    """Groups whose samples all scored alike make way for freshly drawn prompts; the first draw is
+    the plain rollout's, so the kept groups begin with its mixed ones, in order."""
+    change = {"families": ["uses_word"], "format_weight": 1.0, "prompts_per_step": 8, "group_size": 4}
+    change |= {"anchor_coef": 0.0, "max_new_tokens": 12, "max_draws": 4}
+    model = load_model(policy)
+    gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
+
+    def rollout(dynamic: bool) -> tuple[dict, dict]:
+        cfg = load_section(micro_params(grpo=change | {"dynamic_sampling": dynamic}), "grpo")
+        rollouts = Rollouts(cfg, gen, nnx.graphdef(model), rollout_sets(micro_data / "raw", cfg)[0], seed=0)
+        metrics = rollouts.draw(gen.params)
+        return metrics, rollouts.batch
+
+    plain_metrics, plain = rollout(False)
+    metrics, dynamic = rollout(True)
+    first = plain["advantages"][:, 0].reshape(8, 4)
+    mixed = np.flatnonzero(np.ptp(first, axis=1) > 0)
+    assert 0 < len(mixed) < 8, first  # some groups teach nothing: the case dynamic sampling is for
+    assert plain_metrics["rollout/prompts_drawn"] == 8 and metrics["rollout/prompts_drawn"] in (16, 24, 32)
+    groups = dynamic["advantages"][:, 0].reshape(8, 4)
+    if metrics["rollout/prompts_drawn"] < 32:  # filled before the last draw: every group differs
+        assert (np.ptp(groups, axis=1) > 0).all(), groups
+    rows = np.concatenate([np.arange(g * 4, g * 4 + 4) for g in mixed])
+    completions = np.s_[: len(rows), -12:]  # the last max_new_tokens columns (the prompts' width may differ)
+    np.testing.assert_array_equal(dynamic["tokens"][completions], plain["tokens"][rows, -12:])
+    np.testing.assert_array_equal(groups[: len(mixed)], first[mixed])

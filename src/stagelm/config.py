@@ -251,6 +251,14 @@ class EvalConfig:
     max_examples: int | None = checked(POSITIVE)  # per task family; null = the whole eval set
     max_new_tokens: int = checked(POSITIVE)
     sample_temperature: float = checked(NON_NEGATIVE)  # chat answered once more, sampled; 0 = not
+    pass_k: int = checked(NON_NEGATIVE)  # chat samples per prompt at sample_temperature for pass@k; 0 = not
+    pass_k_prompts: int | None = checked(POSITIVE)  # the first this many prompts per family; null = all
+
+    def validate(self, prefix: str) -> None:
+        if self.pass_k and not self.sample_temperature:
+            raise StagelmError(
+                f"{prefix}.pass_k: {self.pass_k} samples need {prefix}.sample_temperature > 0; set one to 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +333,10 @@ class GrpoConfig(OptimizerConfig):
     max_new_tokens: int = checked(POSITIVE)
     format_weight: float = checked(NON_NEGATIVE)  # reward for a well-formed answer, added to correctness
     clip_eps: float = checked(FRACTION)
+    clip_eps_high: float | None = checked(POSITIVE)  # the upper clip, 1 + this (DAPO); null = clip_eps
+    advantages: str = checked(one_of("group", "none"))  # group: (r − mean) / std in the group; none: r − mean
+    dynamic_sampling: bool  # drop groups whose samples all scored alike and draw more prompts (DAPO)
+    max_draws: int = checked(POSITIVE)  # dynamic sampling: prompt batches drawn per rollout at most
     kl_coef: float = checked(NON_NEGATIVE)
     anchor_coef: float = checked(NON_NEGATIVE)  # weight of the KL to the reference on SFT rows (0: none)
     anchor_rows: int = checked(POSITIVE)  # SFT rows per update for that term

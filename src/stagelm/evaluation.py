@@ -119,6 +119,29 @@ def family_accuracy(records: list[dict]) -> dict[str, Any]:
     return {**accuracy_of(records), **{f: accuracy_of([r for r in records if r["family"] == f]) for f in families}}
 
 
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The unbiased estimate of pass@k from `correct` of `n` samples (Chen et al., 2021):
+    1 − C(n − c, k) / C(n, k), the chance that k of the n drawn without replacement hold a correct one."""
+    return 1.0 if n - correct < k else 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def pass_k_metrics(records: list[dict], samples: int) -> dict[str, Any]:
+    """pass@1 and pass@`samples`, pooled and per family, of records holding `samples` consecutive
+    answers per prompt; each with the standard error of its mean over prompts."""
+
+    def summary(prompts: list[list[dict]]) -> dict[str, float]:
+        out: dict[str, float] = {"n": len(prompts)}
+        for k in sorted({1, samples}):
+            scores = np.array([pass_at_k(samples, sum(r["correct"] for r in p), k) for p in prompts])
+            out[f"pass_at_{k}"] = float(scores.mean())
+            out[f"pass_at_{k}_se"] = float(scores.std() / math.sqrt(len(scores)))
+        return out
+
+    prompts = [records[i : i + samples] for i in range(0, len(records), samples)]
+    families = sorted({p[0]["family"] for p in prompts})
+    return {**summary(prompts), **{f: summary([p for p in prompts if p[0]["family"] == f]) for f in families}}
+
+
 def task_metrics(records: list[dict], rule: str) -> dict[str, Any]:
     """Per format (pooled and per family) accuracy, and the overall `accuracy` by `rule` (best | chat)."""
     out: dict[str, Any] = {fmt: family_accuracy([r for r in records if r["format"] == fmt]) for fmt in FORMATS}

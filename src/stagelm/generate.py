@@ -112,7 +112,7 @@ class Generator:
         self.graphdef, self.params = nnx.split(model)
         self._prefill = jax.jit(self._prefill_fn)
         self._step = jax.jit(self._step_fn, donate_argnums=1)
-        self._loop = jax.jit(self._loop_fn, static_argnames="max_new")
+        self._loop = jax.jit(self._loop_fn, static_argnames=("max_new", "logprobs"))
         self._sample = jax.jit(sample_tokens)
         self._full = jax.jit(lambda params, tokens, seg, pos: nnx.merge(self.graphdef, params)(tokens, seg, pos))
         self.newline_ids = [i for i in range(tokenizer.get_vocab_size()) if "\n" in tokenizer.decode([i])]
@@ -144,7 +144,8 @@ class Generator:
         key: jax.Array,
         sampling: dict,
         max_new: int,
-    ) -> tuple[jax.Array, jax.Array]:
+        logprobs: bool = False,
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         # The cache holds what this call can reach, the prompt width plus max_new: every decode
         # step attends over those slots only, not the whole capacity (the masked slots beyond
         # would add nothing to a row's softmax but their cost).
@@ -152,25 +153,30 @@ class Generator:
         logits, cache = self._prefill_fn(params, tokens, seg, pos, width + max_new)
         next_pos = pos[:, -1] + 1
         out = jnp.zeros((batch, max_new), jnp.int32)
+        logp = jnp.zeros((batch, max_new), jnp.float32) if logprobs else None
         done = jnp.zeros(batch, bool)
 
         def cond(carry: tuple) -> jax.Array:
-            i, _, _, _, done, _ = carry
+            i, _, _, _, _, done, _ = carry
             return (i < max_new) & ~jnp.all(done)
 
         def body(carry: tuple) -> tuple:
-            i, logits, cache, out, done, key = carry
+            i, logits, cache, out, logp, done, key = carry
             key, sub = jax.random.split(key)
             token = sample_tokens(logits, sub, **sampling)
             token = jnp.where(done, 0, token)
             out = out.at[:, i].set(token)
+            if logprobs:  # of the distribution drawn from, before any top-k or top-p cut
+                scale = jnp.where(sampling["temperature"] > 0, sampling["temperature"], 1.0)
+                drawn = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+                logp = logp.at[:, i].set(jnp.where(done, 0.0, jnp.take_along_axis(drawn, token[:, None], 1)[:, 0]))
             done = done | stop[token]
             logits, cache = self._step_fn(params, cache, token, next_pos + i, width + i)
-            return i + 1, logits, cache, out, done, key
+            return i + 1, logits, cache, out, logp, done, key
 
-        carry = (jnp.int32(0), logits, cache, out, done, key)
-        n, _, _, out, _, _ = jax.lax.while_loop(cond, body, carry)
-        return out, n
+        carry = (jnp.int32(0), logits, cache, out, logp, done, key)
+        n, _, _, out, logp, _, _ = jax.lax.while_loop(cond, body, carry)
+        return out, n, logp
 
     # --- host side -------------------------------------------------------------------------
 
@@ -242,8 +248,27 @@ class Generator:
 
         `params` stand in for the model's own (GRPO samples with the policy's current
         weights); a row is zero after its first `stop` token."""
-        out, _ = self._loop(params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new)
+        out, _, _ = self._loop(params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new)
         return out
+
+    def decode_with_logprobs(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        seg: jax.Array,
+        pos: jax.Array,
+        stop: jax.Array,
+        key: jax.Array,
+        sampling: Sampling,
+        max_new: int,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`decode`, plus each drawn token's log-probability under the distribution it was drawn
+        from (the model's softmax at the sampling temperature, before any top-k or top-p cut):
+        what an RL update must reproduce from the same tokens (0 after a row's stop token)."""
+        out, _, logp = self._loop(
+            params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new, logprobs=True
+        )
+        return out, logp
 
     def completion(self, row: np.ndarray, stop: jax.Array) -> Completion:
         stop = np.asarray(stop)

@@ -3,8 +3,12 @@
 Each rollout takes `prompts_per_step` prompts of the rl task set, samples
 `group_size` completions of each with the KV-cache engine, scores them with the task
 family's checker (1 for a correct answer, plus `format_weight` for a well-formed one)
-and normalises each reward within its group: advantage = (r − mean) / (std + 1e-6).
-The loss per completion token is the clipped importance-ratio objective of PPO plus
+and normalises each reward within its group: advantage = (r − mean) / (std + 1e-6), or
+r − mean with `advantages: none` (Dr. GRPO, Liu et al. 2025: the std favours prompts
+that are nearly always or nearly never solved). With `dynamic_sampling` (DAPO, Yu et al.
+2025) groups whose samples all scored alike, which teach nothing, make way for more prompts.
+The loss per completion token is the clipped importance-ratio objective of PPO (with
+DAPO's higher upper clip when `clip_eps_high` is set) plus
 a KL penalty to the frozen reference (the k3 estimator, exp(q − p) − (q − p) − 1 with
 p, q the policy's and the reference's log-probs), summed over completion tokens and
 divided by their count. `updates_per_rollout` optimizer steps reuse each rollout; the
@@ -22,6 +26,7 @@ and derives each rollout's sampling key and prompts from the seed and the rollou
 index, so a run resumed from a checkpoint draws exactly what an uninterrupted run would.
 """
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -43,19 +48,24 @@ from stagelm.tokenizer import chat_prompt_ids, chat_segments
 from stagelm.trainstep import LossFn, next_token_targets
 
 
-def group_advantages(rewards: np.ndarray) -> np.ndarray:
-    """(prompts, group) rewards → advantages normalised within each group (0 where all agree)."""
-    mean = rewards.mean(axis=1, keepdims=True)
-    std = rewards.std(axis=1, keepdims=True)
-    return (rewards - mean) / (std + 1e-6)
+def group_advantages(rewards: np.ndarray, scale: str = "group") -> np.ndarray:
+    """(prompts, group) rewards → advantages: each reward less its group's mean, divided by the
+    group's std with `scale` "group" (GRPO) or not with "none" (Dr. GRPO); 0 where all agree."""
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    if scale == "none":
+        return centred
+    return centred / (rewards.std(axis=1, keepdims=True) + 1e-6)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
 
 
-def grpo_loss(clip_eps: float, kl_coef: float, anchor_coef: float = 0.0) -> LossFn:
+def grpo_loss(clip_eps: float, kl_coef: float, anchor_coef: float = 0.0, clip_eps_high: float | None = None) -> LossFn:
     """The clipped-ratio loss with a KL penalty, over completion tokens; aux: kl, clip fraction, ratio.
+
+    The ratio is clipped to [1 − clip_eps, 1 + clip_eps_high] (DAPO's decoupled clip; the
+    upper bound is clip_eps when `clip_eps_high` is None).
 
     With `anchor_coef` > 0 the batch also carries anchor rows (`anchor_*`: SFT rows and
     the reference's log-probs of their answer tokens) and the loss adds `anchor_coef`
@@ -71,11 +81,12 @@ def grpo_loss(clip_eps: float, kl_coef: float, anchor_coef: float = 0.0) -> Loss
         fresh = batch["on_policy"][:, 1:] > 0
         old = jnp.where(fresh, jax.lax.stop_gradient(logp), batch["old_logp"][:, 1:])
         ratio = jnp.exp(logp - old)
-        clipped = jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps)
+        high = clip_eps if clip_eps_high is None else clip_eps_high
+        clipped = jnp.clip(ratio, 1 - clip_eps, 1 + high)
         policy = -jnp.minimum(ratio * adv, clipped * adv)
         kl = k3(batch["ref_logp"][:, 1:], logp)
         per_token = policy + kl_coef * kl
-        was_clipped = (jnp.abs(ratio - 1) > clip_eps).astype(jnp.float32)
+        was_clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).astype(jnp.float32)
         count = jnp.sum(mask)
         aux = {"kl": jnp.sum(kl * mask), "clip_fraction": jnp.sum(was_clipped * mask), "ratio": jnp.sum(ratio * mask)}
         total = jnp.sum(per_token * mask)
@@ -127,6 +138,18 @@ def rollout_sets(raw: Path, cfg: GrpoConfig) -> tuple[list[dict], list[dict]]:
     return tasks, anchor
 
 
+@dataclasses.dataclass
+class Group:
+    """The scored samples of one prompt: `rows` (group_size, max_new_tokens) of token ids."""
+
+    index: int  # the prompt's place in the rl set
+    rows: np.ndarray
+    rewards: list[float]
+    correct: list[bool]
+    formed: list[bool]
+    lengths: list[int]  # tokens that train (graded_length)
+
+
 class Rollouts:
     """Batches of scored rollouts of the current policy, for `trainloop.train(batches=...)`."""
 
@@ -157,6 +180,7 @@ class Rollouts:
         # The reference: a copy of the starting policy (the train step donates the policy's buffers).
         self.ref = jax.tree.map(jnp.copy, gen.params)
         self.rollout = 0  # rollouts drawn so far
+        self.drawn = 0  # prompts drawn so far (their stream is seeded: see prompt_indices)
         self.update = 0  # updates taken on the current rollout
         self.batch: dict[str, np.ndarray] | None = None
         self.ready_at: float | None = None
@@ -168,12 +192,12 @@ class Rollouts:
         logits = model(tokens[:, :-1], seg[:, :-1], pos[:, :-1])
         return jnp.pad(token_logprobs(logits, tokens[:, 1:]), ((0, 0), (1, 0)))
 
-    def prompt_indices(self, rollout: int) -> np.ndarray:
-        """The prompts of rollout `rollout`: consecutive slices of a seeded permutation per epoch."""
-        n, per = len(self.tasks), self.cfg.prompts_per_step
+    def prompt_indices(self, start: int, count: int) -> np.ndarray:
+        """Prompts `start` to `start + count` of the stream: a seeded permutation of the set per epoch."""
+        n = len(self.tasks)
         epochs = {}
         out = []
-        for i in range(rollout * per, (rollout + 1) * per):
+        for i in range(start, start + count):
             epoch, offset = divmod(i, n)
             if epoch not in epochs:
                 epochs[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
@@ -202,34 +226,66 @@ class Rollouts:
         out["ref_logp"] = to_host(self._score(self.ref, *args))
         return {f"anchor_{k}": v for k, v in out.items()}
 
+    def sample_groups(self, policy: Any, chosen: np.ndarray, key: jax.Array) -> list[Group]:
+        """`group_size` scored completions of each prompt in `chosen`, sampled with `policy`."""
+        cfg, gen = self.cfg, self.gen
+        prompts = [self.prompts[i] for i in chosen for _ in range(cfg.group_size)]
+        tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
+        stop = gen.stop_mask(chat=True, stop_at_newline=True)
+        sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p)
+        out = to_host(gen.decode(policy, tokens, seg, pos, stop, key, sampling, cfg.max_new_tokens))
+        groups = []
+        for g, i in enumerate(chosen):
+            rows = out[g * cfg.group_size : (g + 1) * cfg.group_size]
+            group = Group(int(i), rows, [], [], [], [])
+            for row in rows:
+                completion = gen.completion(row, stop)
+                ok_form, ok = check_answer(self.tasks[i]["family"], self.specs[i], completion.text)
+                group.rewards.append(float(ok) + cfg.format_weight * float(ok_form))
+                group.correct.append(ok)
+                group.formed.append(ok_form)
+                group.lengths.append(graded_length(completion.tokens, completion.finish == "stop", self.ends_answer))
+            groups.append(group)
+        return groups
+
     def draw(self, policy: Any) -> dict[str, float]:
-        """Sample, score and lay out one rollout with the current policy; its host metrics."""
+        """Sample, score and lay out one rollout with the current policy; its host metrics.
+
+        With `dynamic_sampling`, groups whose samples all scored alike (advantage 0: no
+        signal) are set aside and more prompts drawn, up to `max_draws` batches, until
+        `prompts_per_step` groups differ; a rollout still short fills with set-aside groups.
+        The metrics cover every drawn sample, before any group is set aside.
+        """
         cfg, gen = self.cfg, self.gen
         jax.block_until_ready(policy)
         update_s = time.perf_counter() - self.ready_at if self.ready_at is not None else None
         t0 = time.perf_counter()
-        chosen = self.prompt_indices(self.rollout)
-        prompts = [self.prompts[i] for i in chosen for _ in range(cfg.group_size)]
+        per, size = cfg.prompts_per_step, cfg.group_size
         key = jax.random.fold_in(jax.random.key(self.seed), self.rollout)
-        sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p)
-        tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
-        stop = gen.stop_mask(chat=True, stop_at_newline=True)
-        out = to_host(gen.decode(policy, tokens, seg, pos, stop, key, sampling, cfg.max_new_tokens))
+        kept: list[Group] = []
+        alike: list[Group] = []
+        drawn: list[Group] = []
+        for draw in range(cfg.max_draws if cfg.dynamic_sampling else 1):
+            chosen = self.prompt_indices(self.drawn, per)
+            self.drawn += per
+            groups = self.sample_groups(policy, chosen, key if draw == 0 else jax.random.fold_in(key, draw))
+            drawn += groups
+            for group in groups:
+                (alike if cfg.dynamic_sampling and np.ptp(group.rewards) == 0 else kept).append(group)
+            if len(kept) >= per:
+                break
+        groups = (kept + alike)[:per]
         rollout_s = time.perf_counter() - t0
 
-        rewards, correct, formed, lengths = [], [], [], []
-        for row, i in zip(out, np.repeat(chosen, cfg.group_size), strict=True):
-            completion = gen.completion(row, stop)
-            ok_form, ok = check_answer(self.tasks[i]["family"], self.specs[i], completion.text)
-            rewards.append(float(ok) + cfg.format_weight * float(ok_form))
-            correct.append(ok)
-            formed.append(ok_form)
-            lengths.append(graded_length(completion.tokens, completion.finish == "stop", self.ends_answer))
-        adv = group_advantages(np.asarray(rewards, np.float32).reshape(-1, cfg.group_size)).reshape(-1)
-
-        tokens, seg, pos = np.asarray(tokens), np.asarray(seg), np.asarray(pos)
+        rewards = np.asarray([g.rewards for g in groups], np.float32)
+        adv = group_advantages(rewards, cfg.advantages).reshape(-1)
+        tokens, seg, pos = (
+            np.asarray(a)
+            for a in gen.layout([self.prompts[g.index] for g in groups for _ in range(size)], cfg.max_new_tokens)
+        )
+        out = np.concatenate([g.rows for g in groups])
         width, new = tokens.shape[1], cfg.max_new_tokens
-        lengths = np.asarray(lengths)
+        lengths = np.asarray([n for g in groups for n in g.lengths])
         gen_mask = (np.arange(new)[None] < lengths[:, None]).astype(np.int32)
         full_tokens = np.concatenate([tokens, out * gen_mask], 1)
         full_seg = np.concatenate([seg, np.ones_like(out)], 1)
@@ -250,20 +306,22 @@ class Rollouts:
         self.batch = batch
         self.rollout += 1
         self.ready_at = time.perf_counter()
+        every = np.asarray([g.rewards for g in drawn])
         metrics = {
-            "rollout/reward": float(np.mean(rewards)),
-            "rollout/accuracy": float(np.mean(correct)),
-            "rollout/well_formed": float(np.mean(formed)),
-            "rollout/completion_tokens": float(np.mean(lengths)),
-            "rollout/mixed_groups": float(np.mean(np.ptp(np.reshape(rewards, (-1, cfg.group_size)), axis=1) > 0)),
-            "perf/rollout_tokens_per_sec": float(lengths.sum() / rollout_s),
+            "rollout/reward": float(every.mean()),
+            "rollout/accuracy": float(np.mean([g.correct for g in drawn])),
+            "rollout/well_formed": float(np.mean([g.formed for g in drawn])),
+            "rollout/completion_tokens": float(np.mean([g.lengths for g in drawn])),
+            "rollout/mixed_groups": float(np.mean(np.ptp(every, axis=1) > 0)),
+            "rollout/prompts_drawn": float(len(drawn)),
+            "perf/rollout_tokens_per_sec": float(sum(sum(g.lengths) for g in drawn) / rollout_s),
         }
         if update_s is not None:
             metrics["perf/update_seconds"] = update_s
         return metrics
 
     def get_state(self) -> dict[str, Any]:
-        return {"rollout": self.rollout, "update": self.update}
+        return {"rollout": self.rollout, "update": self.update, "drawn": self.drawn}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state["update"] != 0:
@@ -271,7 +329,7 @@ class Rollouts:
                 f"a GRPO checkpoint at update {state['update']} of a rollout: checkpoints fall between "
                 "rollouts; delete this run's folder under runs/.checkpoints/grpo/ to start over"
             )
-        self.rollout, self.update = state["rollout"], 0
+        self.rollout, self.update, self.drawn = state["rollout"], 0, state["drawn"]
 
 
 def anchor_set(tokenizer: Any, conversations: list[dict]) -> dict[str, np.ndarray]:

@@ -134,6 +134,20 @@ def cell(metrics: dict, family: str) -> str:
     return f"{f['accuracy']:.3f} ± {f['accuracy_se']:.3f}" if f else "—"
 
 
+def pass_view(e: dict) -> tuple[str, dict] | None:
+    """The eval's pass@k in the shape of an accuracy (per family: accuracy, accuracy_se), or None."""
+    passes = e.get("chat_pass_k")
+    if not passes:
+        return None
+    k = passes["k"]
+    view = {
+        f: {"accuracy": v[f"pass_at_{k}"], "accuracy_se": v[f"pass_at_{k}_se"]}
+        for f, v in passes.items()
+        if isinstance(v, dict)
+    }
+    return f"chat, pass@{k} at T={passes['temperature']:g} (first {passes['n'] // max(len(view), 1)} per family)", view
+
+
 def stage_table(models: list[dict]) -> list[str]:
     """One row per model and format it is read in: the base model's completion and chat, a tuned
     model's chat, and its chat sampled at the eval's temperature when the eval measured it."""
@@ -148,6 +162,8 @@ def stage_table(models: list[dict]) -> list[str]:
         rows = [("completion", e["completion"]), ("chat", e["chat"])] if parent is None else [("chat", e["chat"])]
         if "chat_sampled" in e:
             rows.append((f"chat, sampled at T={e['chat_sampled']['temperature']:g}", e["chat_sampled"]))
+        if pass_view(e):
+            rows.append(pass_view(e))
         origin = (
             "random weights" if parent is None else f"{parent[1]}" + (" (teacher)" if parent[0] == "teacher" else "")
         )
@@ -208,6 +224,9 @@ def stage_sentences(models: list[dict]) -> list[str]:
         if "chat_sampled" in e and "chat_sampled" in source:
             sampled = ", ".join(change(source["chat_sampled"], e["chat_sampled"], f) for f in families)
             sentence += f"; sampled at T={e['chat_sampled']['temperature']:g}: {sampled}"
+        if pass_view(e) and pass_view(source):
+            (asked, after), (_, before) = pass_view(e), pass_view(source)
+            sentence += f"; {asked.removeprefix('chat, ')}: " + ", ".join(change(before, after, f) for f in after)
         out.append(sentence + ".")
     return out
 

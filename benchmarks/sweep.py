@@ -1,0 +1,110 @@
+"""Sweep params with the lab's own experiments: queue a grid over seeds, then tabulate it.
+
+    python benchmarks/sweep.py queue grpo.lr=5e-5,1e-4 grpo.advantages=group,none --seeds 0 1 2
+    dvc queue start --jobs 1        # or: dvc exp run --run-all
+    python benchmarks/sweep.py table grpo.lr grpo.advantages > sweep.md
+
+`queue` adds one `dvc exp run --queue` per point of the grid and seed, each with its `-S`
+settings (every value as DVC writes it into params.yaml, so `5e-5` is a float). `table`
+reads `dvc exp show --csv` and prints a Markdown table with one row per point of the
+grid: the mean over its seeds of each metric (and the spread, max − min, when there are
+several), how many seeds finished, beside the workspace's own row for reference.
+The default metrics are GRPO's on its targeted family; `--metric file:key` picks others.
+"""
+
+import argparse
+import csv
+import io
+import itertools
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+
+GRPO = "runs/eval/grpo/metrics.json"
+DEFAULT_METRICS = [
+    f"{GRPO}:chat.arithmetic.accuracy",
+    f"{GRPO}:chat_sampled.arithmetic.accuracy",
+    f"{GRPO}:chat_pass_k.arithmetic.pass_at_8",
+    f"{GRPO}:val_loss",
+]
+
+
+def queue(settings: list[str], seeds: list[int], prefix: str) -> None:
+    grid = []
+    for setting in settings:
+        key, sep, values = setting.partition("=")
+        if not sep or not values:
+            sys.exit(f"error: {setting!r}: expected key=value[,value...], e.g. grpo.lr=5e-5,1e-4")
+        grid.append([f"{key}={v}" for v in values.split(",")])
+    for point in itertools.product(*grid):
+        for seed in seeds:
+            name = "-".join([prefix] + [p.split(".")[-1].replace("=", "") for p in point] + [f"s{seed}"])
+            name = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+            cmd = ["dvc", "exp", "run", "--queue", "--name", name, "-S", f"seed={seed}"]
+            cmd += [arg for p in point for arg in ("-S", p)]
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+
+
+def column(header: list[str], name: str) -> int:
+    """The index of `name` (file:key or key) in `dvc exp show --csv`'s header."""
+    file, _, key = name.rpartition(":")
+    for candidate in (name, key if file else name):
+        if candidate in header:
+            return header.index(candidate)
+    sys.exit(f"error: {name}: not a column of `dvc exp show --csv`; run it to see the names")
+
+
+def table(params: list[str], metrics: list[str]) -> str:
+    shown = subprocess.run(["dvc", "exp", "show", "--csv", "--all-commits"], capture_output=True, text=True, check=True)
+    rows = list(csv.reader(io.StringIO(shown.stdout)))
+    header, body = rows[0], rows[1:]
+    state = header.index("State") if "State" in header else None
+    p_cols = [column(header, p) for p in params]
+    m_cols = [column(header, m) for m in metrics]
+    groups: dict[tuple, list[list[float]]] = defaultdict(list)
+    for row in body:
+        if header[0] == "Experiment" and not row[0]:  # the commit's own row, not an experiment
+            continue
+        if state is not None and row[state] not in ("", "Success"):
+            continue
+        try:
+            values = [float(row[c]) for c in m_cols]
+        except ValueError:  # a metric missing: not finished
+            continue
+        groups[tuple(row[c] for c in p_cols)].append(values)
+    names = [m.rpartition(":")[2] for m in metrics]
+    lines = [
+        "| " + " | ".join(params + names + ["seeds"]) + " |",
+        "|" + "---|" * (len(params) + len(names) + 1),
+    ]
+    for point, runs in sorted(groups.items()):
+        cells = []
+        for i in range(len(metrics)):
+            values = [r[i] for r in runs]
+            mean = statistics.fmean(values)
+            cells.append(f"{mean:.3f}" + (f" ({max(values) - min(values):.3f})" if len(values) > 1 else ""))
+        lines.append("| " + " | ".join(list(point) + cells + [str(len(runs))]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("queue", help="queue one experiment per point of the grid and seed")
+    q.add_argument("settings", nargs="+", help="key=value[,value...]")
+    q.add_argument("--seeds", nargs="+", type=int, default=[0])
+    q.add_argument("--prefix", default="sweep", help="experiment names start with it")
+    t = sub.add_parser("table", help="a Markdown table of the finished experiments, averaged over seeds")
+    t.add_argument("params", nargs="+", help="the params that tell the points of the grid apart")
+    t.add_argument("--metric", action="append", help="file:key columns (default: GRPO's on arithmetic)")
+    args = parser.parse_args()
+    if args.command == "queue":
+        queue(args.settings, args.seeds, args.prefix)
+    else:
+        print(table(args.params, args.metric or DEFAULT_METRICS))
+
+
+if __name__ == "__main__":
+    main()
