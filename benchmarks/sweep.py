@@ -37,9 +37,11 @@ def queue(settings: list[str], seeds: list[int], prefix: str) -> None:
         if not sep or not values:
             sys.exit(f"error: {setting!r}: expected key=value[,value...], e.g. grpo.lr=5e-5,1e-4")
         grid.append([f"{key}={v}" for v in values.split(",")])
+    varying = [i for i, values in enumerate(grid) if len(values) > 1]  # what tells the points apart
     for point in itertools.product(*grid):
         for seed in seeds:
-            name = "-".join([prefix] + [p.split(".")[-1].replace("=", "") for p in point] + [f"s{seed}"])
+            parts = [point[i].partition("=") for i in varying]
+            name = "-".join([prefix] + [f"{k.rpartition('.')[2]}{v}" for k, _, v in parts] + [f"s{seed}"])
             name = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
             cmd = ["dvc", "exp", "run", "--queue", "--name", name, "-S", f"seed={seed}"]
             cmd += [arg for p in point for arg in ("-S", p)]
