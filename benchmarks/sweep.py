@@ -8,8 +8,9 @@
 settings (every value as DVC writes it into params.yaml, so `5e-5` is a float). `table`
 reads `dvc exp show --csv` and prints a Markdown table with one row per point of the
 grid: the mean over its seeds of each metric (and the spread, max − min, when there are
-several), how many seeds finished, beside the workspace's own row for reference.
-The default metrics are GRPO's on its targeted family; `--metric file:key` picks others.
+several) and how many seeds finished, below the rows of the commits the experiments
+started from (the checked-out commit's defaults, for reference). The default metrics are GRPO's on its
+targeted family and its reward; `--metric file:key` picks others.
 """
 
 import argparse
@@ -27,6 +28,8 @@ DEFAULT_METRICS = [
     f"{GRPO}:chat_sampled.arithmetic.accuracy",
     f"{GRPO}:chat_pass_k.arithmetic.pass_at_8",
     f"{GRPO}:val_loss",
+    "runs/grpo/metrics.json:reward_first10",
+    "runs/grpo/metrics.json:reward_last10",
 ]
 
 
@@ -49,13 +52,21 @@ def queue(settings: list[str], seeds: list[int], prefix: str) -> None:
             subprocess.run(cmd, check=True)
 
 
-def column(header: list[str], name: str) -> int:
-    """The index of `name` (file:key or key) in `dvc exp show --csv`'s header."""
+def column(header: list[str], name: str) -> int | None:
+    """The index of `name` (file:key or key) in `dvc exp show --csv`'s header (None, with a word why)."""
     file, _, key = name.rpartition(":")
     for candidate in (name, key if file else name):
         if candidate in header:
             return header.index(candidate)
-    sys.exit(f"error: {name}: not a column of `dvc exp show --csv`; run it to see the names")
+    print(f"warning: {name}: not a column of `dvc exp show --csv` (no run wrote it): shown as —", file=sys.stderr)
+    return None
+
+
+def number(row: list[str], col: int | None) -> float | None:
+    try:
+        return float(row[col]) if col is not None else None
+    except ValueError:
+        return None
 
 
 def table(params: list[str], metrics: list[str]) -> str:
@@ -65,29 +76,37 @@ def table(params: list[str], metrics: list[str]) -> str:
     state = header.index("State") if "State" in header else None
     p_cols = [column(header, p) for p in params]
     m_cols = [column(header, m) for m in metrics]
-    groups: dict[tuple, list[list[float]]] = defaultdict(list)
+    groups: dict[tuple, list[list[float | None]]] = defaultdict(list)
+    rev, kind = header.index("rev"), header.index("typ")
+    git = ["git", "rev-parse", "--abbrev-ref", "HEAD"], ["git", "rev-parse", "--short=7", "HEAD"]
+    here = {subprocess.run(c, capture_output=True, text=True).stdout.strip() for c in git}
     for row in body:
-        if header[0] == "Experiment" and not row[0]:  # the commit's own row, not an experiment
-            continue
         if state is not None and row[state] not in ("", "Success"):
             continue
-        try:
-            values = [float(row[c]) for c in m_cols]
-        except ValueError:  # a metric missing: not finished
+        if row[kind] == "baseline" and row[rev] not in here:  # of the commits, only the one checked out
             continue
-        groups[tuple(row[c] for c in p_cols)].append(values)
+        values = [number(row, c) for c in m_cols]
+        if values[0] is None:  # not finished
+            continue
+        # a commit's own row (the defaults it was run with) stands apart from the experiments
+        label = f"commit {row[rev]}" if row[kind] == "baseline" else "experiments"
+        groups[(label, *[row[c] for c in p_cols])].append(values)
     names = [m.rpartition(":")[2] for m in metrics]
     lines = [
-        "| " + " | ".join(params + names + ["seeds"]) + " |",
+        "| " + " | ".join(params + names + ["runs"]) + " |",
         "|" + "---|" * (len(params) + len(names) + 1),
     ]
-    for point, runs in sorted(groups.items()):
+    for (label, *point), runs in sorted(groups.items(), key=lambda g: (g[0][0] == "experiments", g[0])):
         cells = []
         for i in range(len(metrics)):
-            values = [r[i] for r in runs]
+            values = [r[i] for r in runs if r[i] is not None]
+            if not values:
+                cells.append("—")
+                continue
             mean = statistics.fmean(values)
             cells.append(f"{mean:.3f}" + (f" ({max(values) - min(values):.3f})" if len(values) > 1 else ""))
-        lines.append("| " + " | ".join(list(point) + cells + [str(len(runs))]) + " |")
+        count = f"{len(runs)}" if label == "experiments" else f"{label} (the defaults)"
+        lines.append("| " + " | ".join(list(point) + cells + [count]) + " |")
     return "\n".join(lines)
 
 

@@ -12,11 +12,13 @@ loss on the corpus val split: what RL costs the language model.
 """
 
 import jax
+import numpy as np
 from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
 from stagelm.config import load_section, load_seed, section_dict
 from stagelm.errors import run_main
+from stagelm.files import read_json, write_json
 from stagelm.generate import Generator
 from stagelm.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.loader import PackedRows
@@ -83,6 +85,10 @@ def main() -> None:
     save_model(args.out / "model", final, tokenizer_file, extra)
     record_training(stage, result, fp, read, inputs, trainable_params=n_train)
     rewards = [r["rollout/reward"] for r in result.history if "rollout/reward" in r]
+    if jax.process_index() == 0:  # what the run earned: the mean reward of its first and last ten rollouts
+        summary = read_json(args.out / "metrics.json")
+        summary.update(reward_first10=float(np.mean(rewards[:10])), reward_last10=float(np.mean(rewards[-10:])))
+        write_json(args.out / "metrics.json", summary)
     print(f"grpo: done at step {result.summary['step']}: reward {rewards[0]:.3f} → {rewards[-1]:.3f}")
 
 

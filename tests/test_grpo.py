@@ -198,6 +198,9 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
     rewards = rewards_of(tmp_path)
     assert len(rewards) == 40
     assert np.mean(rewards[-8:]) > np.mean(rewards[:8]) + 0.1, rewards
+    summary = read_json(tmp_path / "out/metrics.json")  # what `dvc exp show` lists beside the loss
+    assert summary["reward_first10"] == pytest.approx(np.mean(rewards[:10]), abs=1e-6)
+    assert summary["reward_last10"] == pytest.approx(np.mean(rewards[-10:]), abs=1e-6)
 
 
 @pytest.mark.slow
