@@ -130,6 +130,23 @@ def distill_claims(params: dict) -> None:
     claim(
         2 * student <= teacher, f"distill: the student has {student:,} params, at most half the teacher's {teacher:,}"
     )
+    control = load("runs/distill_control/provenance.json")
+    claim(
+        control["control"]
+        and control["student_params"] == student
+        and control["params"]["seed"] == prov["params"]["seed"],
+        "distill_control: the same student and seed as distill, the teacher's terms off",
+    )
+    ev, ctl = load("runs/eval/distill/metrics.json"), load("runs/eval/distill_control/metrics.json")
+    for kind, bar in (("chat_sampled", 3), ("chat", -1)):
+        a, b = ev[kind]["arithmetic"], ctl[kind]["arithmetic"]
+        se = math.hypot(a["accuracy_se"], b["accuracy_se"])
+        diff = (a["accuracy"] - b["accuracy"]) / se if se else 0.0
+        target(
+            diff >= bar,
+            f"distill: {kind} arithmetic {a['accuracy']:.3f} against its control's {b['accuracy']:.3f}, "
+            f"{diff:+.1f} SE (>= {bar:+d})",
+        )
 
 
 def grpo_claims(params: dict) -> None:

@@ -9,6 +9,11 @@ evenly spaced, each MLP's strongest units; stagelm.distill.student_from_teacher)
 `scratch` from random weights drawn with `seed`. `distill.data` picks its rows: the
 packed corpus, the SFT conversations (assistant tokens only) or both. val/loss is the
 student's own next-token loss on the corpus val split.
+
+`--control` trains the same student (shape, init, data, steps, seed) with the teacher's
+terms off: its own next-token loss only, as `distill.alpha: 0` would, without running
+the teacher. It is what the teacher's terms are measured against (the report and the
+claims compare the two); it reads neither `distill.alpha` nor `distill.temperature`.
 """
 
 import dataclasses
@@ -32,11 +37,18 @@ from stagelm.model import Decoder, count_params
 from stagelm.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
 from stagelm.trainloop import record_training, start_training, train
 
+UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature"]}  # for `stagelm deps` and dvc.yaml
+
 
 def main() -> None:
-    stage, mesh = start_training(__doc__, "teacher", "corpus", "sft", "val", "out", "checkpoints")
+    control = {"control": {"action": "store_true", "help": "the teacher's terms off: the control run"}}
+    paths = ("teacher", "corpus", "sft", "val", "out", "checkpoints")
+    stage, mesh = start_training(__doc__, *paths, options=control)
     args = stage.args
     cfg = load_section(stage.params, "distill")
+    if args.control:  # keys it does not read leave its fingerprint (and DVC's params) alone
+        stage.name = "distill_control"
+        cfg = dataclasses.replace(cfg, alpha=0.0, temperature=1.0)
     seed = load_seed(stage.params)
 
     teacher_cfg = read_model_config(args.teacher)
@@ -55,7 +67,7 @@ def main() -> None:
         rows.require_tokenizer(tokenizer)
     rows, val_rows = MixedRows(packed), PackedRows(args.val)
 
-    read = {"distill": section_dict(cfg), "seed": seed}
+    read = {"distill": section_dict(cfg), "seed": seed, "control": args.control}
     inputs = {"teacher": args.teacher / PARAMS_FILE, "val": args.val / "manifest.json"}
     inputs.update({f"data_{i}": d / "manifest.json" for i, d in enumerate(splits)})
     fp = stage_fingerprint(__file__, read, inputs)
@@ -85,13 +97,14 @@ def main() -> None:
         checkpoint_root=args.checkpoints,
         fingerprint=fp,
         trainable=STUDENT,
-        loss_fn=distill_loss(cfg.alpha, cfg.temperature),
+        loss_fn=student_lm_loss if args.control else distill_loss(cfg.alpha, cfg.temperature),
         eval_loss_fn=student_lm_loss,
     )
     final = result.model.student
     extra = {"params_count": n_student, "context_len": read_model_context(args.teacher), "teacher": str(args.teacher)}
     save_model(args.out / "model", final, tokenizer, extra)
-    record_training(stage, result, fp, read, inputs, student_params=n_student, teacher_params=n_teacher)
+    counts = {"student_params": n_student, "teacher_params": n_teacher}
+    record_training(stage, result, fp, read, inputs, control=args.control, **counts)
     s = result.summary
     print(f"distill: done at step {s['step']}: train loss {s['train_loss']:.4f}, student val loss {s['val_loss']:.4f}")
 

@@ -225,3 +225,23 @@ def test_distill_bad_params_fail_in_one_line(micro_data, pretrained, tmp_path, c
     (line,) = stderr.strip().splitlines()
     assert message in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_control_run_is_the_student_trained_with_alpha_zero(micro_data, pretrained, tmp_path):
+    """`--control` trains what `distill.alpha: 0` trains (the teacher's terms off, nothing else
+    changed) whatever alpha and temperature say; a distilled student differs from it."""
+    runs = {"control": ({"alpha": 0.9, "temperature": 3.0}, ["--control"]), "alpha0": ({"alpha": 0.0}, [])}
+    runs["distilled"] = ({"alpha": 0.9, "temperature": 3.0}, [])
+    for name, (change, flags) in runs.items():
+        work = tmp_path / name
+        work.mkdir()
+        write_params(work / "params.yaml", micro_params(distill=change))
+        run(distill_command(micro_data, pretrained, work) + flags, work)
+    states = {name: jax.tree.leaves(nnx.state(load_model(tmp_path / name / "out/model"))) for name in runs}
+    for a, b in zip(states["control"], states["alpha0"], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert any(not np.allclose(a, b, atol=1e-3) for a, b in zip(states["control"], states["distilled"], strict=True))
+    provenance = read_json(tmp_path / "control/out/provenance.json")
+    assert provenance["stage"] == "distill_control" and provenance["control"] is True
+    assert provenance["params"]["distill"]["alpha"] == 0.0  # what it ran with, not what params.yaml says

@@ -19,7 +19,8 @@ from stagelm.generate import load_generator
 from stagelm.loader import PackedRows
 from stagelm.tasks import FAMILIES
 
-MODELS = ("pretrain", "sft", "distill", "grpo")  # the model stages, as dvc.yaml's `models` var lists them
+MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo")  # as dvc.yaml's `models` var lists them
+EXPORTED = ("pretrain", "sft", "distill", "grpo")  # the control is measured, not shipped
 PRETRAIN_LR = "runs/pretrain/plots/metrics/train/lr.tsv"
 
 pytestmark = pytest.mark.slow
@@ -90,6 +91,8 @@ def test_full_repro_produced_every_artifact(project):
     assert "| sft | pretrain |" in opening and "| distill | sft (teacher) |" in opening
     assert "- **sft** (from pretrain) moved chat accuracy arithmetic" in opening
     assert "student (" in opening and "cut from its teacher then distilled" in opening  # distill.init: teacher
+    assert "| distill_control | sft (teacher's terms off) |" in opening
+    assert ". Against its control distill_control (val loss " in opening and "; sampled arithmetic " in opening
     assert "- **grpo** (from sft, rewarding arithmetic) moved" in opening and "sampled at T=1" in opening
     assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
     assert (project / "runs/report/grpo_reward.png").is_file()
@@ -165,6 +168,8 @@ def test_params_change_reruns_only_downstream(project):
     # bytes never change, so below it only the stages that list the edited key run.
     write_params(project / "params.yaml", micro_params(training={"lr": 1e-3}))
     assert set(status(project)) == {"params", "pretrain"}  # sft and the per-model stages follow once it reruns
+    write_params(project / "params.yaml", micro_params(distill={"alpha": 0.7}))
+    assert set(status(project)) == {"params", "distill"}  # the control reads neither alpha nor temperature
     write_params(project / "params.yaml", micro_params(tokenizer={"vocab_size": 290}))
     assert set(status(project)) == {"params", "tokenizer"}  # what follows it: test_experiment_runs_and_compares
     params = micro_params()
@@ -246,9 +251,8 @@ def test_experiment_runs_and_compares(project):
     edits = ["-S", "training.lr=5e-5", "-S", "tokenizer.max_train_chars=60000"]
     out = run(["dvc", "exp", "run", "-n", "lr5e5", *edits], project)
     ran = {line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("Running stage")}
-    downstream = {"sft", "distill", "grpo", "benchmark", "report"} | {
-        f"{kind}@{m}" for kind in ("eval", "sample", "export") for m in MODELS
-    }
+    downstream = {"sft", "distill", "distill_control", "grpo", "benchmark", "report"}
+    downstream |= {f"{kind}@{m}" for kind in ("eval", "sample") for m in MODELS} | {f"export@{m}" for m in EXPORTED}
     assert ran == {"params", "tokenizer", "pack", "pretrain"} | downstream
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
     baseline = shown[1]

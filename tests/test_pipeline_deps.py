@@ -49,7 +49,8 @@ def test_params_are_exactly_what_the_stage_reads(name):
         if isinstance(entry, dict):  # {file: [keys]}
             raise AssertionError("params come from params.yaml only")
         declared |= {entry} if "." in entry or entry == "seed" else set(section_keys(entry))
-    expected = params_deps(script_of(stage))
+    flags = [w for w in resolve(stage["cmd"]).split() if w.startswith("--")]  # e.g. distill's --control
+    expected = params_deps(script_of(stage), flags)
     read = {k for e in expected for k in ([e] if "." in e or e == "seed" else section_keys(e))}
     listed = "".join(f"\n  - {p}" for p in expected)
     assert declared == read, f"dvc.yaml stage {name}: its params should be (`stagelm deps`):{listed}"

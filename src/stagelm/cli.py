@@ -12,9 +12,10 @@ stagelm launch <stage command>
 stagelm serve <model dir> [--host 127.0.0.1] [--port 8000]
     an OpenAI-compatible server (chat and text completions, streamed or not) with a
     chat page at /, on the KV-cache engine (see stagelm.serve).
-stagelm deps stages/<stage>.py
+stagelm deps stages/<stage>.py [-- flags]
     print the code deps and params of that stage as dvc.yaml should list them (the
-    pipeline test checks dvc.yaml against the same computation).
+    pipeline test checks dvc.yaml against the same computation); flags such as
+    `-- --control` drop the keys the script leaves unread with them.
 """
 
 import argparse
@@ -189,7 +190,7 @@ def deps(args: argparse.Namespace) -> None:
     script = Path(args.script)
     if not script.is_file() or script.suffix != ".py":
         raise StagelmError(f"{args.script}: no such stage script; give one of stages/*.py, from the project root")
-    print(render(script, Path.cwd()), end="")
+    print(render(script, Path.cwd(), args.flags), end="")
 
 
 def dvc_output_at(target: Path) -> str | None:
@@ -322,6 +323,7 @@ def main() -> None:
     ins.set_defaults(func=inspect)
     dp = sub.add_parser("deps", help="print a stage script's code deps and params as dvc.yaml lists them")
     dp.add_argument("script")
+    dp.add_argument("flags", nargs="*", help="the stage's flags that change what it reads, e.g. --control")
     dp.set_defaults(func=deps)
     ex = sub.add_parser("export-hf", help="write a model directory as a transformers Llama checkpoint")
     ex.add_argument("model_dir", type=Path)

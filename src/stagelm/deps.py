@@ -89,9 +89,20 @@ def sections_read(script: Path) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def params_deps(script: Path) -> list[str]:
-    """The params entries of the script's stage in dvc.yaml."""
+def unread_with(script: Path, flags: list[str]) -> set[str]:
+    """Keys the script leaves unread when run with `flags`: its module-level
+    `UNREAD_WITH = {"--flag": ["section.key", ...]}`, read without running it."""
+    for node in ast.parse(script.read_text(), str(script)).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["UNREAD_WITH"]:
+            table = ast.literal_eval(node.value)
+            return {key for flag in flags for key in table.get(flag, [])}
+    return set()
+
+
+def params_deps(script: Path, flags: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The params entries of the script's stage in dvc.yaml (run with `flags`)."""
     entries = []
+    unread = unread_with(script, list(flags))
     for name in sections_read(script):
         if name in EXECUTION_SECTIONS:
             continue
@@ -99,16 +110,17 @@ def params_deps(script: Path) -> list[str]:
             entries.append(name)
             continue
         keys = section_keys(name)
-        if any(k in EXECUTION_KEYS for k in keys):
-            entries += [k for k in keys if k not in EXECUTION_KEYS]
+        if any(k in EXECUTION_KEYS or k in unread for k in keys):
+            entries += [k for k in keys if k not in EXECUTION_KEYS and k not in unread]
         else:
             entries.append(name)
     order = ["seed", *SECTIONS]  # seed first, then sections in params.yaml's order
     return sorted(entries, key=lambda e: order.index(e.split(".")[0]))
 
 
-def render(script: Path, root: Path) -> str:
-    """The deps and params lists of `script`'s stage, as YAML for dvc.yaml (data deps are the stage's own)."""
+def render(script: Path, root: Path, flags: list[str] | tuple[str, ...] = ()) -> str:
+    """The deps and params lists of `script`'s stage (run with `flags`), as YAML for dvc.yaml
+    (data deps are the stage's own)."""
     code = "".join(f"  - {p}\n" for p in code_deps(script, root))
-    params = "".join(f"  - {p}\n" for p in params_deps(script))
+    params = "".join(f"  - {p}\n" for p in params_deps(script, flags))
     return f"deps:  # code; add the stage's data inputs\n{code}params:\n{params}"

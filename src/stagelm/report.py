@@ -129,6 +129,16 @@ def parent_of(m: dict, names: list[str]) -> tuple[str, str] | None:
     return None
 
 
+def control_of(m: dict, models: list[dict]) -> dict | None:
+    """The control run of distilled model `m`: the teacher's terms off, the same teacher."""
+    teacher = m["provenance"].get("inputs", {}).get("teacher", {}).get("path")
+    for other in models:
+        prov = other["provenance"]
+        if prov.get("control") and prov.get("inputs", {}).get("teacher", {}).get("path") == teacher:
+            return other
+    return None
+
+
 def cell(metrics: dict, family: str) -> str:
     f = metrics.get(family)
     return f"{f['accuracy']:.3f} ± {f['accuracy_se']:.3f}" if f else "—"
@@ -164,9 +174,8 @@ def stage_table(models: list[dict]) -> list[str]:
             rows.append((f"chat, sampled at T={e['chat_sampled']['temperature']:g}", e["chat_sampled"]))
         if pass_view(e):
             rows.append(pass_view(e))
-        origin = (
-            "random weights" if parent is None else f"{parent[1]}" + (" (teacher)" if parent[0] == "teacher" else "")
-        )
+        role = " (teacher's terms off)" if m["provenance"].get("control") else " (teacher)"
+        origin = "random weights" if parent is None else parent[1] + (role if parent[0] == "teacher" else "")
         for i, (asked, metrics) in enumerate(rows):
             first = i == 0
             lead = f"| {m['name']} | {origin} | {e['val_loss']:.3f} |" if first else "| | | |"
@@ -207,11 +216,30 @@ def stage_sentences(models: list[dict]) -> list[str]:
             )
             pruned = m["provenance"].get("params", {}).get("distill", {}).get("init") == "teacher"
             how = "cut from its teacher" if pruned else "from random weights,"
-            out.append(
+            if m["provenance"].get("control"):
+                out.append(
+                    f"- **{m['name']}** trained the same {m['params_count']:,}-parameter student ({how.rstrip(',')}, "
+                    f"the same data, steps and seed) with the teacher's terms off, on its own next-token loss: "
+                    f"the control distillation is measured against; val loss {e['val_loss']:.3f}."
+                )
+                continue
+            sentence = (
                 f"- **{m['name']}** trained a {m['params_count']:,}-parameter student ({share:.0%} of its teacher "
                 f"{parent[1]}; {how} then distilled) to a val loss of {e['val_loss']:.3f} "
-                f"(teacher {source['val_loss']:.3f}); chat: {accs}."
+                f"(teacher {source['val_loss']:.3f}); chat: {accs}"
             )
+            control = control_of(m, models)
+            if control:
+                c = control["eval"]
+                sentence += (
+                    f". Against its control {control['name']} (val loss {c['val_loss']:.3f}): greedy "
+                    + ", ".join(change(c["chat"], e["chat"], f) for f in families)
+                )
+                if "chat_sampled" in e and "chat_sampled" in c:
+                    sentence += "; sampled " + ", ".join(
+                        change(c["chat_sampled"], e["chat_sampled"], f) for f in families
+                    )
+            out.append(sentence + ".")
             continue
         rewarded = m["provenance"].get("params", {}).get(m["provenance"].get("stage"), {}).get("families")
         reward = f", rewarding {', '.join(rewarded)}" if rewarded else ""

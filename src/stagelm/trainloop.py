@@ -86,10 +86,12 @@ class TrainResult:
     resumed_from: int | None
 
 
-def start_training(doc: str | None, *paths: str) -> tuple[Stage, jax.sharding.Mesh]:
+def start_training(
+    doc: str | None, *paths: str, options: dict[str, dict[str, Any]] | None = None
+) -> tuple[Stage, jax.sharding.Mesh]:
     """A training stage's start: its command line (`stage.start`), joining jax.distributed
     when launched as one of several processes, and the mesh params.yaml's `mesh` asks for."""
-    stage = start(doc, *paths)
+    stage = start(doc, *paths, options=options)
     initialize()
     mesh_cfg = load_section(stage.params, "mesh")
     return stage, make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
