@@ -230,7 +230,7 @@ class Generator:
         tokens, seg, pos = self.layout(prompts, max_new, batch)
         key = jax.random.key(0) if key is None else key
         stop = self.stop_mask(chat, stop_at_newline, until_stop)
-        out = self.decode(self.params, tokens, seg, pos, stop, key, sampling, max_new)
+        out, _ = self.decode(self.params, tokens, seg, pos, stop, key, sampling, max_new)
         return [self.completion(row, stop) for row in np.asarray(out)[: len(prompts)]]
 
     def decode(
@@ -243,30 +243,17 @@ class Generator:
         key: jax.Array,
         sampling: Sampling,
         max_new: int,
-    ) -> jax.Array:
-        """(rows, max_new) new token ids of a `layout`, from the jitted loop, on the device.
+        logprobs: bool = False,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """(rows, max_new) new token ids of a `layout`, from the jitted loop, on the device, and
+        with `logprobs` each drawn token's log-probability under the distribution it was drawn
+        from (the model's softmax at the sampling temperature, before any top-k or top-p cut):
+        what an RL update must reproduce from the same tokens (else None).
 
         `params` stand in for the model's own (GRPO samples with the policy's current
-        weights); a row is zero after its first `stop` token."""
-        out, _, _ = self._loop(params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new)
-        return out
-
-    def decode_with_logprobs(
-        self,
-        params: Any,
-        tokens: jax.Array,
-        seg: jax.Array,
-        pos: jax.Array,
-        stop: jax.Array,
-        key: jax.Array,
-        sampling: Sampling,
-        max_new: int,
-    ) -> tuple[jax.Array, jax.Array]:
-        """`decode`, plus each drawn token's log-probability under the distribution it was drawn
-        from (the model's softmax at the sampling temperature, before any top-k or top-p cut):
-        what an RL update must reproduce from the same tokens (0 after a row's stop token)."""
+        weights); a row is zero (and its log-probs 0) after its first `stop` token."""
         out, _, logp = self._loop(
-            params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new, logprobs=True
+            params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new, logprobs=logprobs
         )
         return out, logp
 

@@ -233,7 +233,7 @@ class Rollouts:
         tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
         stop = gen.stop_mask(chat=True, stop_at_newline=True)
         sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p)
-        out = to_host(gen.decode(policy, tokens, seg, pos, stop, key, sampling, cfg.max_new_tokens))
+        out = to_host(gen.decode(policy, tokens, seg, pos, stop, key, sampling, cfg.max_new_tokens)[0])
         groups = []
         for g, i in enumerate(chosen):
             rows = out[g * cfg.group_size : (g + 1) * cfg.group_size]

@@ -172,8 +172,9 @@ def stage_table(models: list[dict]) -> list[str]:
         rows = [("completion", e["completion"]), ("chat", e["chat"])] if parent is None else [("chat", e["chat"])]
         if "chat_sampled" in e:
             rows.append((f"chat, sampled at T={e['chat_sampled']['temperature']:g}", e["chat_sampled"]))
-        if pass_view(e):
-            rows.append(pass_view(e))
+        passes = pass_view(e)
+        if passes:
+            rows.append(passes)
         role = " (teacher's terms off)" if m["provenance"].get("control") else " (teacher)"
         origin = "random weights" if parent is None else parent[1] + (role if parent[0] == "teacher" else "")
         for i, (asked, metrics) in enumerate(rows):
@@ -252,8 +253,9 @@ def stage_sentences(models: list[dict]) -> list[str]:
         if "chat_sampled" in e and "chat_sampled" in source:
             sampled = ", ".join(change(source["chat_sampled"], e["chat_sampled"], f) for f in families)
             sentence += f"; sampled at T={e['chat_sampled']['temperature']:g}: {sampled}"
-        if pass_view(e) and pass_view(source):
-            (asked, after), (_, before) = pass_view(e), pass_view(source)
+        passes, passes_before = pass_view(e), pass_view(source)
+        if passes and passes_before:
+            (asked, after), (_, before) = passes, passes_before
             sentence += f"; {asked.removeprefix('chat, ')}: " + ", ".join(change(before, after, f) for f in after)
         out.append(sentence + ".")
     return out
