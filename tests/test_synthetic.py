@@ -2,10 +2,13 @@
 
 import hashlib
 import json
+import random
 
 from stagelm import synthetic
-from stagelm.tasks import FAMILIES, REGISTRY, Family, Task, check_answer, first_sentence
+from stagelm.tasks import FAMILIES, REGISTRY, Family, Task, check_answer, first_sentence, select
+from stagelm.tasks.add_three import add_three_task
 from stagelm.tasks.arithmetic import arithmetic_task
+from stagelm.tasks.family import IndexedSpace, split_sampled
 from stagelm.tasks.uses_word import bare_words, uses_word_task
 from stagelm.tasks.word_limit import word_limit_task
 from stagelm.tasks.words import NAMES, OBJECTS, PLACES
@@ -27,17 +30,36 @@ def test_same_seed_same_bytes_other_seed_other_bytes():
 def test_pinned_output_is_identical_on_every_machine():
     # A change here means the generator's output changed: every downstream artifact
     # changes with it. Update the pin only on purpose.
-    corpus = synthetic.generate(0, 50, 5, 5, 5)["corpus"]
-    assert hashlib.sha256("\x00".join(corpus).encode()).hexdigest()[:16] == PINNED
+    for names, pin in PINNED.items():
+        corpus = synthetic.generate(0, 50, 5, 5, 5, select(names, "data.families"))["corpus"]
+        assert hashlib.sha256("\x00".join(corpus).encode()).hexdigest()[:16] == pin, names
 
 
-PINNED = "c3d0d92595c9327e"
+PINNED = {
+    ("arithmetic", "add_three"): "8a4d4c5307d485eb",  # the default data.families
+    # The set before add_three was registered: choosing it gives the bytes it always gave.
+    ("arithmetic", "uses_word", "word_limit"): "c3d0d92595c9327e",
+}
+
+
+def test_a_large_problem_space_is_split_without_listing_it():
+    listed = [(i // 100, i % 100) for i in range(1000)]
+    space = IndexedSpace(1000, lambda i: (i // 100, i % 100))
+    held, pool = split_sampled(space, 60, random.Random(5))
+    assert len(held) == len(set(held)) == 60 and len(pool) == 940
+    assert list(pool) == [p for p in listed if p not in set(held)]  # every other problem, in order
+    assert split_sampled(space, 500, random.Random(5))[0].__len__() == 100  # a tenth held out at most
+    g = synthetic.generate(0, 300, 300, 300, 200, select(["add_three"], "data.families"))
+    held_prompts = {t.prompt for t in g["eval"]}
+    assert len(held_prompts) == 200 and {t.family for t in g["rl"]} == {m["family"] for m in g["sft"]} == {"add_three"}
+    trained = {t.prompt for t in g["rl"]} | {m["messages"][0]["content"] for m in g["sft"]}
+    assert not held_prompts & trained and not [p for p in held_prompts if p in "\n".join(g["corpus"])]
 
 
 def test_eval_problems_never_appear_in_training_sets_or_corpus():
     g = synthetic.generate(0, 3000, 2000, 1000, 1000)
     held = {t.prompt for t in g["eval"]}
-    assert len(held) == 3000 and {t.family for t in g["eval"]} == set(FAMILIES)
+    assert len(held) == 1000 * len(FAMILIES) and {t.family for t in g["eval"]} == set(FAMILIES)
     train_prompts = {t.prompt for t in g["rl"]} | {m["messages"][0]["content"] for m in g["sft"]}
     held_chat = {t.chat_prompt for t in g["eval"]}
     assert not held & train_prompts and not held_chat & train_prompts
@@ -48,7 +70,7 @@ def test_eval_problems_never_appear_in_training_sets_or_corpus():
     plain = [t.prompt.removeprefix("Work out ").removesuffix(":") + " is" for t in arithmetic_held]
     assert not [t for t in arithmetic_held if t.prompt in corpus]
     assert not [p for p in plain if f". {p} " in corpus]
-    assert not [t for t in g["eval"] if t.family == "uses_word" and t.prompt in corpus]
+    assert not [t for t in g["eval"] if t.family in ("uses_word", "add_three") and t.prompt in corpus]
 
 
 def test_uses_word_eval_asks_for_words_no_training_answer_of_the_family_contains():
@@ -112,6 +134,11 @@ def test_checkers_accept_reference_answers_and_reject_wrong_ones():
     assert check_answer("arithmetic", t.spec, " 82.") == (True, False)
     assert check_answer("arithmetic", t.spec, " eighty one") == (False, False)
     assert check_answer("arithmetic", t.spec, " 81. 4 plus 5 is 9.") == (True, True)  # the working is optional
+    three = add_three_task(23, 58, 41)
+    assert three.chat_answer == "3 plus 8 plus 1 is 12, 2 plus 5 plus 4 plus 1 is 12, so 122."
+    assert add_three_task(5, 3, 0).answer == " 5 plus 3 plus 0 is 8, 0 plus 0 plus 0 is 0, so 8."
+    assert add_three_task(99, 99, 99).answer == " 9 plus 9 plus 9 is 27, 9 plus 9 plus 9 plus 2 is 29, so 297."
+    assert check_answer("add_three", three.spec, " so 121.") == (True, False)
     w = uses_word_task("Mia", "lamp", 5, "Mia found a lamp.")
     assert check_answer("uses_word", w.spec, "Mia found a big red lamp today.") == (True, False)  # too long
     assert check_answer("uses_word", w.spec, "Mia found a cup.") == (True, False)  # no word

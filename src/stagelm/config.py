@@ -69,6 +69,9 @@ class DataConfig:
     num_sft: int = checked(POSITIVE)  # synthetic SFT conversations
     num_rl: int = checked(POSITIVE)  # synthetic RL prompts
     num_eval: int = checked(POSITIVE)  # synthetic held-out prompts per task family
+    # The synthetic task families (stagelm.tasks) in the SFT, RL and eval sets and the corpus
+    # sheets; names are checked against the registry by the download stage and `stagelm check`.
+    families: list[str]
     # The folder holding every local file the download reads (a `files:` corpus, a local
     # `hf:` dataset, the task files): dvc.yaml lists it as the download stage's dependency,
     # so an edited corpus reruns download and what follows.
@@ -86,6 +89,8 @@ class DataConfig:
         return found + [(key, value) for key, value in named if value]
 
     def validate(self, prefix: str) -> None:
+        if not self.families:
+            raise StagelmError(f"{prefix}.families: empty list; name the synthetic task families to generate")
         for key, pattern in self.local_inputs():
             if pattern and not inside(pattern, self.inputs):
                 raise StagelmError(

@@ -42,7 +42,7 @@ from stagelm import synthetic
 from stagelm.config import DataConfig
 from stagelm.errors import StagelmError
 from stagelm.files import sha256_file, write_json
-from stagelm.tasks import FAMILIES, Task, spec_problem
+from stagelm.tasks import FAMILIES, Task, select, spec_problem
 
 KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 COMPRESSIONS = (".gz", ".zst", ".bz2")  # pyarrow decompresses these while reading
@@ -62,8 +62,9 @@ def write_download(cfg: DataConfig, out_dir: Path) -> tuple[dict[str, Any], list
     Everything is written to temporary files first: a bad input leaves the folder as it
     was, and a run killed while renaming leaves no manifest, so nothing looks done."""
     is_synthetic = cfg.source == "synthetic"
+    families = select(cfg.families, "data.families")
     generated = synthetic.generate(
-        cfg.seed, cfg.num_documents if is_synthetic else 0, cfg.num_sft, cfg.num_rl, cfg.num_eval
+        cfg.seed, cfg.num_documents if is_synthetic else 0, cfg.num_sft, cfg.num_rl, cfg.num_eval, families
     )
     sets, origin = task_sets(cfg, generated)  # small, and read first: their errors come before a long read
     if is_synthetic:

@@ -115,10 +115,12 @@ def generate(
         [rng.choices([k for _, k in kinds], weights=weights)[0]() for _ in range(num_documents)] if any(weights) else []
     )
 
+    total_share = sum(f.sft_share for f in taught)
+
     def training_task() -> Task:
         draw, bound = rng.random(), 0.0
         for family in taught:
-            bound += family.sft_share
+            bound += family.sft_share / total_share
             if draw < bound or family is taught[-1]:
                 return family.ask(rng, rng.choice(pools[family.name]))
         raise AssertionError("unreachable: the last taught family takes the rest")

@@ -6,6 +6,9 @@ corpus text it contributes, if any), described by a `family.Family`:
 
 - `arithmetic`: `Work out 23 plus 58:` → ` 3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.`
   (taught: corpus sheets, SFT and RL);
+- `add_three`: `Work out 23 plus 58 plus 41:` → ` 3 plus 8 plus 1 is 12, …, so 122.` (taught;
+  the harder digit task, where the default model's samples are right more often than
+  its greedy answers);
 - `uses_word`: a sentence about a name with a given word in at most k words (taught;
   its eval prompts ask for words held out of all its training text, so it tests copying);
 - `word_limit`: a sentence about a person at a place in at most k words, asked only in
@@ -13,7 +16,7 @@ corpus text it contributes, if any), described by a `family.Family`:
 
 An answer is the completion's first sentence (up to and including the first period).
 
-Adding a family: write `tasks/<name>.py` ending in `FAMILY = Family(...)` (the three
+Adding a family: write `tasks/<name>.py` ending in `FAMILY = Family(...)` (the four
 above are the examples), import it below and add it to `REGISTRY`, and test its
 checker against its own reference answers (tests/test_synthetic.py does so for every
 registered family). The imports are explicit, so `stagelm deps` and dvc.yaml list
@@ -23,10 +26,12 @@ every family file, and editing one reruns the stages that read it.
 from typing import Any
 
 from stagelm.errors import StagelmError
-from stagelm.tasks import arithmetic, uses_word, word_limit
+from stagelm.tasks import add_three, arithmetic, uses_word, word_limit
 from stagelm.tasks.family import Family, Task, first_sentence
 
-REGISTRY: dict[str, Family] = {f.name: f for f in (arithmetic.FAMILY, uses_word.FAMILY, word_limit.FAMILY)}
+REGISTRY: dict[str, Family] = {
+    f.name: f for f in (arithmetic.FAMILY, add_three.FAMILY, uses_word.FAMILY, word_limit.FAMILY)
+}
 FAMILIES = tuple(REGISTRY)
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "check_answer",
     "first_sentence",
     "require_families",
+    "select",
     "spec_problem",
 ]
 
@@ -53,6 +59,13 @@ def require_families(names: list[str] | tuple[str, ...], key: str) -> None:
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise StagelmError(f"{key}: unknown {unknown}; choose among {list(FAMILIES)}")
+
+
+def select(names: list[str] | tuple[str, ...], key: str) -> dict[str, Family]:
+    """The families named (checked, see `require_families`), in registry order: the order the
+    synthetic source draws taught families in, whatever order the list gives."""
+    require_families(names, key)
+    return {name: family for name, family in REGISTRY.items() if name in names}
 
 
 def spec_problem(family: str, spec: Any) -> str | None:

@@ -7,10 +7,11 @@ mixes `corpus` documents into the pretraining text and `sft_share` of the SFT an
 training tasks; evaluation and GRPO grade answers with `check`.
 """
 
+import bisect
 import dataclasses
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 Problem = tuple  # a family's problem key, e.g. (23, "plus", 58) or ("Mia", "lamp", 8)
@@ -29,11 +30,12 @@ class Task:
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    problems: Callable[[], list[Problem]]  # the whole problem space, in a fixed order
+    problems: Callable[[], Sequence[Problem]]  # the whole problem space, in a fixed order
     ask: Callable[[random.Random, Problem], Task]  # draws from the stream only for a reference answer
     check: Callable[[dict[str, Any], str], tuple[bool, bool]]  # (well_formed, correct) of a completion
     # Taught families (sft_share > 0) are drawn from the main stream, in registry order, and
-    # make up that share of the SFT and RL training tasks. A family with sft_share 0 is
+    # make up that share (over the sum of the chosen taught families' shares, `data.families`)
+    # of the SFT and RL training tasks. A family with sft_share 0 is
     # asked only in the rl and eval sets, from a stream of its own, so adding one changes
     # nothing else the synthetic source writes.
     sft_share: float = 0.0
@@ -54,6 +56,47 @@ def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random)
     order = list(problems)
     rng.shuffle(order)
     return order[:n_held_out], order[n_held_out:]
+
+
+class IndexedSpace(Sequence):
+    """A problem space too large to list: `size` problems, the i-th decoded by `decode(i)`."""
+
+    def __init__(self, size: int, decode: Callable[[int], Problem]):
+        self.size, self.decode = size, decode
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return self.decode(i)
+
+
+class Without(Sequence):
+    """`problems` less the ones at the (sorted, distinct) indices `removed`, in order, never listed."""
+
+    def __init__(self, problems: Sequence[Problem], removed: list[int]):
+        self.problems = problems
+        # the i-th kept problem sits at i + (how many removed indices lie before it): removed[k] - k
+        # counts the kept problems before removed[k], a non-decreasing sequence to search.
+        self.kept_before = [r - k for k, r in enumerate(removed)]
+
+    def __len__(self) -> int:
+        return len(self.problems) - len(self.kept_before)
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.problems[i + bisect.bisect_right(self.kept_before, i)]
+
+
+def split_sampled(problems: Sequence[Problem], n_held_out: int, rng: random.Random) -> tuple[list, Sequence]:
+    """(held out, training pool) of a large space: `n_held_out` problems drawn without
+    replacement (a tenth of the space at most), the pool every other problem, unlisted."""
+    count = min(n_held_out, len(problems) // 10)
+    chosen = rng.sample(range(len(problems)), count)
+    return [problems[i] for i in chosen], Without(problems, sorted(chosen))
 
 
 def split_by_value(
