@@ -1,23 +1,30 @@
 """distill stage: a smaller student learns from the frozen SFT model (online distillation).
 
     python stages/distill.py --params params.yaml --teacher runs/sft/model --corpus data/packed/train \
-        --sft data/packed/sft --val data/packed/val --out runs/distill --checkpoints runs/.checkpoints/distill
+        --sft data/packed/sft --val data/packed/val --raw data/raw --out runs/distill \
+        --checkpoints runs/.checkpoints/distill
 
 The student has the shape `distill.student` (the teacher's tokenizer, RoPE and norms).
 With `distill.init: teacher` it starts as the teacher pruned to that shape (its layers
 evenly spaced, each MLP's strongest units; stagelm.distill.student_from_teacher), with
 `scratch` from random weights drawn with `seed`. `distill.data` picks its rows: the
-packed corpus, the SFT conversations (assistant tokens only) or both. val/loss is the
-student's own next-token loss on the corpus val split.
+packed corpus, the SFT conversations (assistant tokens only) or both; with
+`distill.on_policy` > 0 that share of the steps instead samples the student's answers
+to the SFT prompts of `--raw` (the download stage's folder) and trains them toward
+the teacher's per-token distribution (stagelm.distill.OnPolicyBatches). val/loss is
+the student's own next-token loss on the corpus val split.
 
 `--control` trains the same student (shape, init, data, steps, seed) with the teacher's
 terms off: its own next-token loss only, as `distill.alpha: 0` would, without running
-the teacher. It is what the teacher's terms are measured against (the report and the
-claims compare the two); it reads neither `distill.alpha` nor `distill.temperature`.
+the teacher, and no on-policy steps (it takes no `--raw`). It is what the teacher's
+terms are measured against (the report and the claims compare the two); it reads
+neither `distill.alpha`, `distill.temperature` nor `distill.on_policy`.
 """
 
 import dataclasses
+from pathlib import Path
 
+import jax
 from flax import nnx
 
 from stagelm.checkpoint import stage_fingerprint
@@ -25,6 +32,7 @@ from stagelm.config import load_section, load_seed, section_dict
 from stagelm.distill import (
     STUDENT,
     Distiller,
+    OnPolicyBatches,
     check_prunable,
     distill_loss,
     student_from_teacher,
@@ -32,23 +40,33 @@ from stagelm.distill import (
     teacher_layers,
 )
 from stagelm.errors import StagelmError, run_main
+from stagelm.generate import Generator
 from stagelm.loader import MixedRows, PackedRows
 from stagelm.model import Decoder, count_params
 from stagelm.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
-from stagelm.trainloop import record_training, start_training, train
+from stagelm.rawdata import read_raw
+from stagelm.tokenizer import load_tokenizer
+from stagelm.trainloop import PackedBatches, record_training, start_training, train
 
-UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature"]}  # for `stagelm deps` and dvc.yaml
+UNREAD_WITH = {
+    "--control": ["distill.alpha", "distill.temperature", "distill.on_policy"]
+}  # for `stagelm deps` and dvc.yaml
 
 
 def main() -> None:
-    control = {"control": {"action": "store_true", "help": "the teacher's terms off: the control run"}}
+    options = {
+        "control": {"action": "store_true", "help": "the teacher's terms off: the control run"},
+        "raw": {"type": Path, "help": "the download stage's folder: SFT prompts for on-policy steps"},
+    }
     paths = ("teacher", "corpus", "sft", "val", "out", "checkpoints")
-    stage, mesh = start_training(__doc__, *paths, options=control)
+    stage, mesh = start_training(__doc__, *paths, options=options)
     args = stage.args
     cfg = load_section(stage.params, "distill")
     if args.control:  # keys it does not read leave its fingerprint (and DVC's params) alone
         stage.name = "distill_control"
-        cfg = dataclasses.replace(cfg, alpha=0.0, temperature=1.0)
+        cfg = dataclasses.replace(cfg, alpha=0.0, temperature=1.0, on_policy=0.0)
+    if cfg.on_policy > 0 and args.raw is None:
+        raise StagelmError(f"distill.on_policy: {cfg.on_policy} samples SFT prompts; pass --raw <download folder>")
     seed = load_seed(stage.params)
 
     teacher_cfg = read_model_config(args.teacher)
@@ -70,6 +88,8 @@ def main() -> None:
     read = {"distill": section_dict(cfg), "seed": seed, "control": args.control}
     inputs = {"teacher": args.teacher / PARAMS_FILE, "val": args.val / "manifest.json"}
     inputs.update({f"data_{i}": d / "manifest.json" for i, d in enumerate(splits)})
+    if cfg.on_policy > 0:
+        inputs["raw"] = args.raw / "manifest.json"
     fp = stage_fingerprint(__file__, read, inputs)
 
     student_cfg = dataclasses.replace(teacher_cfg, **student.shape())
@@ -81,9 +101,16 @@ def main() -> None:
     else:
         model, init = Distiller(Decoder(student_cfg, nnx.Rngs(seed)), teacher), "scratch"
     n_student, n_teacher = count_params(model.student), count_params(model.teacher)
+    batches = None
+    if cfg.on_policy > 0:
+        gen = Generator(model.student, load_tokenizer(tokenizer), read_model_context(args.teacher))
+        conversations = read_raw(args.raw, "sft").to_pylist()
+        local = cfg.batch_size * cfg.grad_accum
+        packed_batches = PackedBatches(rows, local // jax.process_count(), seed)
+        batches = OnPolicyBatches(packed_batches, cfg.on_policy, nnx.graphdef(model), gen, conversations, local, seed)
     print(
         f"distill: student {n_student:,} params from teacher {n_teacher:,} (init: {init}); alpha {cfg.alpha}, "
-        f"T {cfg.temperature}, data {cfg.data}; fingerprint {fp}",
+        f"T {cfg.temperature}, data {cfg.data}, on-policy share {cfg.on_policy}; fingerprint {fp}",
         flush=True,
     )
     result = train(
@@ -99,6 +126,7 @@ def main() -> None:
         trainable=STUDENT,
         loss_fn=student_lm_loss if args.control else distill_loss(cfg.alpha, cfg.temperature),
         eval_loss_fn=student_lm_loss,
+        batches=batches,
     )
     final = result.model.student
     extra = {"params_count": n_student, "context_len": read_model_context(args.teacher), "teacher": str(args.teacher)}

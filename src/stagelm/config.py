@@ -322,6 +322,9 @@ class DistillConfig(TrainingConfig):
     # scratch: the student starts from random weights (seed); teacher: from the teacher's own
     # weights, pruned to the student's shape (distill.student_from_teacher)
     init: str = checked(one_of("scratch", "teacher"))
+    # share of the steps that train on the student's own sampled answers to SFT prompts, toward
+    # the teacher's per-token distribution (on-policy distillation, stagelm.distill); 0 = none
+    on_policy: float = checked(UNIT)
     student: StudentConfig
 
 

@@ -9,12 +9,21 @@ teacher's logits never leave the device. Per counted token the loss is
 Only the student's parameters train: `STUDENT` selects them, so the optimizer state
 and the checkpoints hold no copy of the teacher.
 
+With `distill.on_policy` > 0 that share of the steps trains on the student's own
+answers instead (on-policy distillation; Agarwal et al., 2024, "On-Policy Distillation
+of Language Models", GKD): the student samples an answer to each of a batch of SFT
+prompts with its current weights, and learns the teacher's per-token distribution on
+them, T² · KL(teacher_T ‖ student_T) over the answer's tokens and no hard term (the
+sampled tokens are no labels). The student then meets, and is corrected on, the
+mistakes it makes itself, which fixed data never shows it.
+
 The student starts from scratch or from the teacher itself, pruned to the student's
 shape (`student_from_teacher`), as Minitron does (Muralidharan et al., 2024: prune a
 trained model in depth and width, then recover it by distillation).
 """
 
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +31,17 @@ import numpy as np
 import optax
 from flax import nnx
 
+from stagelm import sharding
 from stagelm.config import StudentConfig
 from stagelm.errors import StagelmError
+from stagelm.generate import Generator, Sampling
 from stagelm.model import Decoder, DecoderConfig
+from stagelm.tokenizer import chat_prompt_ids, chat_segments
+from stagelm.trainloop import BatchSource
 from stagelm.trainstep import LossFn, lm_loss, next_token_targets
 
 STUDENT = nnx.All(nnx.Param, nnx.PathContains("student"))
+SAMPLED = "student_sampled"  # the key marking a batch of the student's own answers
 
 
 class Distiller(nnx.Module):
@@ -114,7 +128,9 @@ def distill_loss(alpha: float, temperature: float) -> LossFn:
         teacher = jax.lax.stop_gradient(model.teacher(*args).astype(jnp.float32))
         ce = optax.softmax_cross_entropy_with_integer_labels(student, targets)
         kl = soft_kl(teacher, student, temperature)
-        per_token = alpha * temperature**2 * kl + (1 - alpha) * ce
+        # The student's own answers (on-policy rows) learn the teacher's distribution only.
+        hard = 0.0 if SAMPLED in batch else 1 - alpha
+        per_token = (1 - hard) * temperature**2 * kl + hard * ce
         return (
             jnp.sum(per_token * weights),
             jnp.sum(weights),
@@ -127,3 +143,64 @@ def distill_loss(alpha: float, temperature: float) -> LossFn:
 def student_lm_loss(model: Distiller, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple:
     """The student's own next-token loss: val/loss of a distillation run, comparable across alpha."""
     return lm_loss(model.student, batch, rng)
+
+
+def on_policy_step(step: int, share: float) -> bool:
+    """Whether 1-based `step` trains on the student's answers: `share` of the steps, evenly spread."""
+    return int(step * share) > int((step - 1) * share)
+
+
+class OnPolicyBatches:
+    """`distill.on_policy` of the steps: the student's sampled answers to SFT prompts; the rest
+    from `data` (the packed rows). A `trainloop.BatchSource`; its state is both parts'."""
+
+    def __init__(
+        self,
+        data: BatchSource,
+        share: float,
+        graphdef: Any,
+        gen: Generator,
+        conversations: list[dict],
+        rows: int,
+        seed: int,
+    ):
+        self.data, self.share, self.graphdef, self.gen, self.rows, self.seed = data, share, graphdef, gen, rows, seed
+        tok = gen.tokenizer
+        self.prompts = [chat_prompt_ids(tok, c["messages"][0]["content"]) for c in conversations]
+        # Room for the longest reference answer (and its end token): the answers the student should give.
+        self.max_new = max(sum(chat_segments(tok, c["messages"])[1]) for c in conversations) + 1
+        self.stop = gen.stop_mask(chat=True, stop_at_newline=True)
+        self.sampling = Sampling(temperature=1.0)
+        self.step = 0
+
+    def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        self.step += 1
+        if not on_policy_step(self.step, self.share):
+            return self.data.next(params, frozen)
+        student = nnx.state(nnx.merge(self.graphdef, params, frozen).student)
+        chosen = np.random.default_rng([self.seed, self.step]).choice(len(self.prompts), self.rows, replace=False)
+        tokens, seg, pos = self.gen.layout([self.prompts[i] for i in chosen], self.max_new)
+        key = jax.random.fold_in(jax.random.key(self.seed), self.step)
+        out = sharding.to_host(
+            self.gen.decode(student, tokens, seg, pos, self.stop, key, self.sampling, self.max_new)[0]
+        )
+        stops = np.asarray(self.stop)[out]
+        lengths = np.where(stops.any(1), stops.argmax(1) + 1, self.max_new)  # through the stop token
+        answer = (np.arange(self.max_new)[None] < lengths[:, None]).astype(np.int32)
+        tokens, seg, pos = np.asarray(tokens), np.asarray(seg), np.asarray(pos)
+        batch = {
+            "tokens": np.concatenate([tokens, out * answer], 1),
+            "segment_ids": np.concatenate([seg, answer], 1),
+            "positions": np.concatenate([pos, pos[:, -1:] + 1 + np.arange(self.max_new)[None]], 1),
+            "loss_mask": np.concatenate([np.zeros_like(tokens), answer], 1),
+        }
+        batch[SAMPLED] = np.ones_like(batch["tokens"])
+        # Every process samples the same answers (same prompts, same key) and trains on its share.
+        return {k: sharding.mine(v) for k, v in batch.items()}, {"on_policy/answer_tokens": float(lengths.mean())}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"data": self.data.get_state(), "step": self.step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.data.set_state(state["data"])
+        self.step = state["step"]

@@ -42,7 +42,7 @@ from stagelm.config import GrpoConfig
 from stagelm.errors import StagelmError
 from stagelm.generate import Generator, Sampling
 from stagelm.rawdata import read_raw
-from stagelm.sharding import to_host
+from stagelm.sharding import mine, to_host
 from stagelm.tasks import check_answer
 from stagelm.tokenizer import chat_prompt_ids, chat_segments
 from stagelm.trainstep import LossFn, next_token_targets
@@ -342,9 +342,3 @@ def anchor_set(tokenizer: Any, conversations: list[dict]) -> dict[str, np.ndarra
         rows["tokens"][i, :n], rows["loss_mask"][i, :n] = ids, mask
         rows["segment_ids"][i, :n], rows["positions"][i, :n] = 1, np.arange(n)
     return rows
-
-
-def mine(rows: np.ndarray) -> np.ndarray:
-    """This process's share of rows every process holds alike."""
-    share = len(rows) // jax.process_count()
-    return rows[jax.process_index() * share : (jax.process_index() + 1) * share]

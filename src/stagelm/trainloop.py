@@ -163,7 +163,7 @@ def train(
         step_fn = make_train_step(graphdef, tx, loss_fn, out_shardings=(st_sh, replicated(mesh)))
         eval_fn = make_eval_step(graphdef, eval_loss_fn or loss_fn)
         local_rows = cfg.batch_size * cfg.grad_accum // jax.process_count()
-        if batches is None and cfg.batch_size * cfg.grad_accum > len(train_rows):
+        if train_rows is not None and cfg.batch_size * cfg.grad_accum > len(train_rows):
             raise StagelmError(
                 f"{batch_key}: {cfg.batch_size} × {cfg.section}.grad_accum {cfg.grad_accum} rows per step, but the "
                 f"training data holds {len(train_rows)} rows; lower it or pack more data"
