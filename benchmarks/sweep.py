@@ -10,7 +10,8 @@ reads `dvc exp show --csv` and prints a Markdown table with one row per point of
 grid: the mean over its seeds of each metric (and the spread, max − min, when there are
 several) and how many seeds finished, below the rows of the commits the experiments
 started from (the checked-out commit's defaults, for reference). The default metrics are GRPO's on its
-targeted family and its reward; `--metric file:key` picks others.
+rewarded family (three_digit: greedy, sampled, pass@8), its greedy arithmetic (not rewarded: it must
+hold), its corpus val loss and its reward; `--metric file:key` picks others.
 """
 
 import argparse
@@ -24,9 +25,10 @@ from collections import defaultdict
 
 GRPO = "runs/eval/grpo/metrics.json"
 DEFAULT_METRICS = [
+    f"{GRPO}:chat.three_digit.accuracy",
+    f"{GRPO}:chat_sampled.three_digit.accuracy",
+    f"{GRPO}:chat_pass_k.three_digit.pass_at_8",
     f"{GRPO}:chat.arithmetic.accuracy",
-    f"{GRPO}:chat_sampled.arithmetic.accuracy",
-    f"{GRPO}:chat_pass_k.arithmetic.pass_at_8",
     f"{GRPO}:val_loss",
     "runs/grpo/metrics.json:reward_first10",
     "runs/grpo/metrics.json:reward_last10",
@@ -119,7 +121,7 @@ def main() -> None:
     q.add_argument("--prefix", default="sweep", help="experiment names start with it")
     t = sub.add_parser("table", help="a Markdown table of the finished experiments, averaged over seeds")
     t.add_argument("params", nargs="+", help="the params that tell the points of the grid apart")
-    t.add_argument("--metric", action="append", help="file:key columns (default: GRPO's on arithmetic)")
+    t.add_argument("--metric", action="append", help="file:key columns (default: GRPO's on three_digit and arithmetic)")
     args = parser.parse_args()
     if args.command == "queue":
         queue(args.settings, args.seeds, args.prefix)

@@ -12,11 +12,26 @@ from conftest import ROOT, forward, kill_after_first_checkpoint, micro_params, r
 from flax import nnx
 
 from stagelm.config import load_section
-from stagelm.distill import STUDENT, Distiller, distill_loss, mlp_units, soft_kl, student_from_teacher, teacher_layers
+from stagelm.distill import (
+    SAMPLED,
+    STUDENT,
+    Distiller,
+    OnPolicyBatches,
+    distill_loss,
+    mlp_units,
+    on_policy_step,
+    soft_kl,
+    student_from_teacher,
+    teacher_layers,
+)
 from stagelm.files import read_json
+from stagelm.generate import Generator
 from stagelm.loader import MixedRows, PackedRows, batch_iterator
 from stagelm.model import Decoder, DecoderConfig, count_params
 from stagelm.modeldir import load_model
+from stagelm.rawdata import read_raw
+from stagelm.tokenizer import chat_prompt_ids, load_tokenizer
+from stagelm.trainloop import PackedBatches
 from stagelm.trainstep import init_state, lm_loss, make_optimizer, make_train_step
 
 TEACHER = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
@@ -132,6 +147,67 @@ def test_mixed_rows_gives_the_corpus_a_full_loss_mask(micro_data):
     np.testing.assert_array_equal(last["loss_mask"], sft[len(sft) - 1]["loss_mask"])
 
 
+# --- on-policy distillation -------------------------------------------------------------------------------------
+
+
+def on_policy_source(micro_data, model, share, rows=8):
+    """OnPolicyBatches over the micro SFT prompts for `model` (a Distiller), the rest from the packed SFT rows."""
+    tokenizer = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    gen = Generator(model.student, tokenizer, micro_params()["pack"]["seq_len"])
+    conversations = read_raw(micro_data / "raw", "sft").to_pylist()
+    packed = PackedBatches(PackedRows(micro_data / "packed/sft"), rows, 0)
+    return OnPolicyBatches(packed, share, nnx.graphdef(model), gen, conversations, rows, 0), conversations
+
+
+def test_on_policy_rows_are_the_students_own_answers_scored_by_the_teacher_alone(micro_data, pretrained):
+    assert [s for s in range(1, 13) if on_policy_step(s, 0.25)] == [4, 8, 12]
+    assert all(on_policy_step(s, 1.0) for s in range(1, 5)) and not any(on_policy_step(s, 0.0) for s in range(1, 5))
+    teacher = load_model(pretrained)
+    model = Distiller(Decoder(dataclasses.replace(teacher.cfg, n_layers=1), nnx.Rngs(0)), teacher)
+    source, conversations = on_policy_source(micro_data, model, 0.5)
+    _, params, frozen = nnx.split(model, STUDENT, ...)
+    packed, _ = source.next(params, frozen)  # step 1: a packed SFT batch
+    assert SAMPLED not in packed and packed["tokens"].shape[1] == micro_params()["pack"]["seq_len"] + 1
+    batch, host = source.next(params, frozen)  # step 2: the student's answers
+    stop = np.asarray(source.stop)
+    chosen = np.random.default_rng([0, 2]).choice(len(conversations), 8, replace=False)
+    for row, mask, seg, i in zip(batch["tokens"], batch["loss_mask"], batch["segment_ids"], chosen, strict=True):
+        prompt = chat_prompt_ids(source.gen.tokenizer, conversations[i]["messages"][0]["content"])
+        start = len(row) - source.max_new
+        assert row[start - len(prompt) : start].tolist() == prompt and not mask[:start].any()
+        answer = row[start:][mask[start:] == 1]
+        assert len(answer) == mask.sum() > 0 and (seg[start:] == mask[start:]).all()
+        # the answer runs through its first stop token, or fills the room it has
+        assert stop[answer[-1]] or len(answer) == source.max_new
+        assert not stop[answer[:-1]].any()
+    assert host["on_policy/answer_tokens"] == batch["loss_mask"].sum() / 8
+    # On them the loss is the teacher's distribution alone, whatever alpha gives the hard term.
+    jbatch = {k: jnp.asarray(v) for k, v in batch.items()}
+    soft, _, aux = distill_loss(1.0, 2.0)(model, jbatch, None)
+    for alpha in (0.0, 0.5):
+        np.testing.assert_allclose(distill_loss(alpha, 2.0)(model, jbatch, None)[0], soft, rtol=1e-6)
+    np.testing.assert_allclose(soft, 4.0 * aux["kl"], rtol=1e-6)
+    assert float(aux["kl"]) > 0
+
+
+def test_on_policy_distillation_pulls_the_students_answers_toward_the_teacher(micro_data, pretrained):
+    """Every step on the student's own answers: the teacher's KL on them falls."""
+    teacher = load_model(pretrained)
+    model = Distiller(Decoder(dataclasses.replace(teacher.cfg, n_layers=1), nnx.Rngs(0)), teacher)
+    source, _ = on_policy_source(micro_data, model, 1.0)
+    graphdef, params, frozen = nnx.split(model, STUDENT, ...)
+    cfg = dataclasses.replace(load_section(micro_params(), "distill"), lr=1e-2, steps=30, warmup_steps=0)
+    tx = make_optimizer(cfg, params)
+    state = init_state(params, tx, jax.random.key(0))
+    step = make_train_step(graphdef, tx, distill_loss(0.5, 1.0))
+    kls = []
+    for _ in range(30):
+        batch, _ = source.next(state.params, frozen)
+        state, metrics = step(state, frozen, {k: v[None] for k, v in batch.items()})
+        kls.append(float(metrics["kl"]) / float(metrics["tokens"]))
+    assert np.mean(kls[-5:]) < 0.5 * np.mean(kls[:5]), kls
+
+
 # --- the stage, as a process -----------------------------------------------------------------------------------
 
 
@@ -149,6 +225,8 @@ def distill_command(micro_data, teacher, work):
         str(micro_data / "packed/sft"),
         "--val",
         str(micro_data / "packed/val"),
+        "--raw",
+        str(micro_data / "raw"),
         "--out",
         str(work / "out"),
         "--checkpoints",
@@ -158,7 +236,8 @@ def distill_command(micro_data, teacher, work):
 
 @pytest.mark.slow
 def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp_path):
-    long = {"steps": 30, "checkpoint_every": 10, "eval_every": 15, "log_every": 10}
+    # a third of the steps sample the student's answers: their prompts, keys and the packed rows' cursor resume too
+    long = {"steps": 30, "checkpoint_every": 10, "eval_every": 15, "log_every": 10, "on_policy": 0.34}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     for work in (killed, whole):
         work.mkdir()
@@ -175,6 +254,10 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp
     done, reference = read_json(killed / "out/metrics.json"), read_json(whole / "out/metrics.json")
     assert (done["train_loss"], done["val_loss"]) == (reference["train_loss"], reference["val_loss"])
     assert read_json(whole / "out/provenance.json")["stage"] == "distill"
+    tsv = (whole / "out/plots/metrics/on_policy/answer_tokens.tsv").read_text().splitlines()
+    column = tsv[0].split("\t").index("step")
+    sampled = [int(line.split("\t")[column]) for line in tsv[1:]]
+    assert sampled == [s for s in range(1, 31) if on_policy_step(s, 0.34)] and len(sampled) == 10
 
 
 @pytest.mark.slow
@@ -188,6 +271,7 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp
             "distill.student.vocab_size: 999 differs from the teacher's",
         ),
         ({"init": "pruned"}, "distill.init: expected one of 'scratch', 'teacher', got 'pruned'"),
+        ({"on_policy": 1.5}, "distill.on_policy: expected a float in [0, 1], got 1.5"),
         (
             {
                 "init": "teacher",
@@ -231,8 +315,8 @@ def test_distill_bad_params_fail_in_one_line(micro_data, pretrained, tmp_path, c
 def test_the_control_run_is_the_student_trained_with_alpha_zero(micro_data, pretrained, tmp_path):
     """`--control` trains what `distill.alpha: 0` trains (the teacher's terms off, nothing else
     changed) whatever alpha and temperature say; a distilled student differs from it."""
-    runs = {"control": ({"alpha": 0.9, "temperature": 3.0}, ["--control"]), "alpha0": ({"alpha": 0.0}, [])}
-    runs["distilled"] = ({"alpha": 0.9, "temperature": 3.0}, [])
+    change = {"alpha": 0.9, "temperature": 3.0, "on_policy": 0.5}
+    runs = {"control": (change, ["--control"]), "alpha0": ({"alpha": 0.0}, []), "distilled": (change, [])}
     for name, (change, flags) in runs.items():
         work = tmp_path / name
         work.mkdir()
@@ -245,3 +329,4 @@ def test_the_control_run_is_the_student_trained_with_alpha_zero(micro_data, pret
     provenance = read_json(tmp_path / "control/out/provenance.json")
     assert provenance["stage"] == "distill_control" and provenance["control"] is True
     assert provenance["params"]["distill"]["alpha"] == 0.0  # what it ran with, not what params.yaml says
+    assert provenance["params"]["distill"]["on_policy"] == 0.0

@@ -6,9 +6,9 @@ import random
 
 from stagelm import synthetic
 from stagelm.tasks import FAMILIES, REGISTRY, Family, Task, check_answer, first_sentence, select
-from stagelm.tasks.add_three import add_three_task
 from stagelm.tasks.arithmetic import arithmetic_task
 from stagelm.tasks.family import IndexedSpace, split_sampled
+from stagelm.tasks.three_digit import three_digit_task
 from stagelm.tasks.uses_word import bare_words, uses_word_task
 from stagelm.tasks.word_limit import word_limit_task
 from stagelm.tasks.words import NAMES, OBJECTS, PLACES
@@ -36,8 +36,8 @@ def test_pinned_output_is_identical_on_every_machine():
 
 
 PINNED = {
-    ("arithmetic", "add_three"): "8a4d4c5307d485eb",  # the default data.families
-    # The set before add_three was registered: choosing it gives the bytes it always gave.
+    ("arithmetic", "three_digit"): "aceda0ac5f71deb5",  # the default data.families
+    # The set before three_digit was registered: choosing it gives the bytes it always gave.
     ("arithmetic", "uses_word", "word_limit"): "c3d0d92595c9327e",
 }
 
@@ -49,9 +49,10 @@ def test_a_large_problem_space_is_split_without_listing_it():
     assert len(held) == len(set(held)) == 60 and len(pool) == 940
     assert list(pool) == [p for p in listed if p not in set(held)]  # every other problem, in order
     assert split_sampled(space, 500, random.Random(5))[0].__len__() == 100  # a tenth held out at most
-    g = synthetic.generate(0, 300, 300, 300, 200, select(["add_three"], "data.families"))
+    g = synthetic.generate(0, 300, 300, 300, 200, select(["three_digit"], "data.families"))
     held_prompts = {t.prompt for t in g["eval"]}
-    assert len(held_prompts) == 200 and {t.family for t in g["rl"]} == {m["family"] for m in g["sft"]} == {"add_three"}
+    assert len(held_prompts) == 200
+    assert {t.family for t in g["rl"]} == {m["family"] for m in g["sft"]} == {"three_digit"}
     trained = {t.prompt for t in g["rl"]} | {m["messages"][0]["content"] for m in g["sft"]}
     assert not held_prompts & trained and not [p for p in held_prompts if p in "\n".join(g["corpus"])]
 
@@ -70,7 +71,7 @@ def test_eval_problems_never_appear_in_training_sets_or_corpus():
     plain = [t.prompt.removeprefix("Work out ").removesuffix(":") + " is" for t in arithmetic_held]
     assert not [t for t in arithmetic_held if t.prompt in corpus]
     assert not [p for p in plain if f". {p} " in corpus]
-    assert not [t for t in g["eval"] if t.family in ("uses_word", "add_three") and t.prompt in corpus]
+    assert not [t for t in g["eval"] if t.family in ("uses_word", "three_digit") and t.prompt in corpus]
 
 
 def test_uses_word_eval_asks_for_words_no_training_answer_of_the_family_contains():
@@ -134,11 +135,13 @@ def test_checkers_accept_reference_answers_and_reject_wrong_ones():
     assert check_answer("arithmetic", t.spec, " 82.") == (True, False)
     assert check_answer("arithmetic", t.spec, " eighty one") == (False, False)
     assert check_answer("arithmetic", t.spec, " 81. 4 plus 5 is 9.") == (True, True)  # the working is optional
-    three = add_three_task(23, 58, 41)
-    assert three.chat_answer == "3 plus 8 plus 1 is 12, 2 plus 5 plus 4 plus 1 is 12, so 122."
-    assert add_three_task(5, 3, 0).answer == " 5 plus 3 plus 0 is 8, 0 plus 0 plus 0 is 0, so 8."
-    assert add_three_task(99, 99, 99).answer == " 9 plus 9 plus 9 is 27, 9 plus 9 plus 9 plus 2 is 29, so 297."
-    assert check_answer("add_three", three.spec, " so 121.") == (True, False)
+    three = three_digit_task(243, "plus", 581)
+    assert three.chat_answer == "3 plus 1 is 4, 4 plus 8 is 12, 2 plus 5 plus 1 is 8, so 824."
+    # a borrow that crosses two columns, and a number under 100
+    borrowed = " 13 minus 7 is 6, 10 minus 1 minus 0 is 9, 5 minus 1 minus 0 is 4, so 496."
+    assert three_digit_task(503, "minus", 7).answer == borrowed
+    assert three_digit_task(57, "plus", 960).answer == " 7 plus 0 is 7, 5 plus 6 is 11, 0 plus 9 plus 1 is 10, so 1017."
+    assert check_answer("three_digit", three.spec, " so 823.") == (True, False)
     w = uses_word_task("Mia", "lamp", 5, "Mia found a lamp.")
     assert check_answer("uses_word", w.spec, "Mia found a big red lamp today.") == (True, False)  # too long
     assert check_answer("uses_word", w.spec, "Mia found a cup.") == (True, False)  # no word

@@ -6,9 +6,10 @@ corpus text it contributes, if any), described by a `family.Family`:
 
 - `arithmetic`: `Work out 23 plus 58:` → ` 3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.`
   (taught: corpus sheets, SFT and RL);
-- `add_three`: `Work out 23 plus 58 plus 41:` → ` 3 plus 8 plus 1 is 12, …, so 122.` (taught;
-  the harder digit task, where the default model's samples are right more often than
-  its greedy answers);
+- `three_digit`: arithmetic with a number of 100-999: `Work out 243 plus 581:` →
+  ` 3 plus 1 is 4, 4 plus 8 is 12, 2 plus 5 plus 1 is 8, so 824.` (taught; the harder
+  digit task, where the default model's samples are right more often than its greedy
+  answers);
 - `uses_word`: a sentence about a name with a given word in at most k words (taught;
   its eval prompts ask for words held out of all its training text, so it tests copying);
 - `word_limit`: a sentence about a person at a place in at most k words, asked only in
@@ -26,11 +27,11 @@ every family file, and editing one reruns the stages that read it.
 from typing import Any
 
 from stagelm.errors import StagelmError
-from stagelm.tasks import add_three, arithmetic, uses_word, word_limit
+from stagelm.tasks import arithmetic, three_digit, uses_word, word_limit
 from stagelm.tasks.family import Family, Task, first_sentence
 
 REGISTRY: dict[str, Family] = {
-    f.name: f for f in (arithmetic.FAMILY, add_three.FAMILY, uses_word.FAMILY, word_limit.FAMILY)
+    f.name: f for f in (arithmetic.FAMILY, three_digit.FAMILY, uses_word.FAMILY, word_limit.FAMILY)
 }
 FAMILIES = tuple(REGISTRY)
 
