@@ -7,9 +7,8 @@ corpus text it contributes, if any), described by a `family.Family`:
 - `arithmetic`: `Work out 23 plus 58:` → ` 3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.`
   (taught: corpus sheets, SFT and RL);
 - `three_digit`: arithmetic with a number of 100-999: `Work out 243 plus 581:` →
-  ` 3 plus 1 is 4, 4 plus 8 is 12, 2 plus 5 plus 1 is 8, so 824.` (taught; the harder
-  digit task, where the default model's samples are right more often than its greedy
-  answers);
+  ` 3 plus 1 is 4, 4 plus 8 is 12, 2 plus 5 plus 1 is 8, so 824.` (taught; a harder
+  digit task for larger models);
 - `uses_word`: a sentence about a name with a given word in at most k words (taught;
   its eval prompts ask for words held out of all its training text, so it tests copying);
 - `word_limit`: a sentence about a person at a place in at most k words, asked only in
