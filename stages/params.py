@@ -10,25 +10,17 @@ bytes never change, so a valid edit reruns this stage and only what reads the ed
 """
 
 from stagelm.config import require_inputs, validate_params
-from stagelm.errors import StagelmError, run_main
+from stagelm.errors import run_main
 from stagelm.files import write_json
 from stagelm.stage import start
-from stagelm.tasks import require_families
+from stagelm.tasks import require_family_sets
 
 
 def main() -> None:
     stage = start(__doc__, "out")
     sections = validate_params(stage.params)
-    data, grpo = sections["data"], sections["grpo"]
-    require_families(data.families, "data.families")
-    require_families(grpo.families, "grpo.families")
-    missing = [f for f in grpo.families if f not in data.families]
-    if data.rl_files is None and missing:
-        raise StagelmError(
-            f"grpo.families: {missing} not in data.families {data.families}, so the rl set has no prompt of it; "
-            "add it to data.families or reward another family"
-        )
-    require_inputs(data)  # DVC would otherwise stop at download on a missing dependency
+    require_family_sets(sections["data"], sections["grpo"])
+    require_inputs(sections["data"])  # DVC would otherwise stop at download on a missing dependency
     write_json(stage.args.out, {"valid": sorted(sections)})
     print(f"params: {stage.args.params}: seed and {len(sections) - 1} sections valid")
 

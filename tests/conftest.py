@@ -46,7 +46,15 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"  # as above, for the proce
 BIN = Path(sys.executable).parent
 
 MICRO = {
-    "data": {"num_documents": 400, "num_sft": 200, "num_rl": 40, "num_eval": 40, "val_fraction": 0.1},
+    "data": {
+        "num_documents": 400,
+        "num_sft": 200,
+        "num_rl": 40,
+        "num_eval": 40,
+        "val_fraction": 0.1,
+        # more than the default set: the tests reward one family and check the others hold
+        "families": ["arithmetic", "uses_word", "word_limit"],
+    },
     "tokenizer": {"vocab_size": 300},
     "pack": {"seq_len": 64, "rows_per_shard": 32},
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64},

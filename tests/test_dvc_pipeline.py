@@ -17,7 +17,6 @@ from stagelm.checkpoint import HASHES
 from stagelm.files import read_json
 from stagelm.generate import load_generator
 from stagelm.loader import PackedRows
-from stagelm.tasks import FAMILIES
 
 MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo")  # as dvc.yaml's `models` var lists them
 EXPORTED = ("pretrain", "sft", "distill", "grpo")  # the control is measured, not shipped
@@ -71,7 +70,8 @@ def test_full_repro_produced_every_artifact(project):
     ):
         assert read_json(project / provenance)["git"]["commit"]
     ev = read_json(project / "runs/eval/pretrain/metrics.json")
-    held_out = micro_params()["data"]["num_eval"] * len(FAMILIES)  # per family × every family
+    families = micro_params()["data"]["families"]
+    held_out = micro_params()["data"]["num_eval"] * len(families)  # per family × every family
     assert ev["accuracy_format"] in ("completion", "chat") and ev["completion"]["n"] == ev["chat"]["n"] == held_out
     assert ev["perplexity"] == pytest.approx(math.exp(ev["val_loss"]))
     seg = PackedRows(project / "data/packed/val").all_rows()["segment_ids"]
@@ -79,8 +79,8 @@ def test_full_repro_produced_every_artifact(project):
     assert ev["val_tokens"] == (seg > 0).sum() - pieces  # every target of the whole val split, once
     assert ev["chat_sampled"]["n"] == held_out and ev["chat_sampled"]["temperature"] == 1.0
     passes = ev["chat_pass_k"]  # eval.pass_k 4 samples of the first pass_k_prompts 10 prompts per family
-    assert passes["k"] == 4 and passes["n"] == 10 * len(FAMILIES)
-    assert all(passes[f]["n"] == 10 and 0 <= passes[f]["pass_at_1"] <= passes[f]["pass_at_4"] <= 1 for f in FAMILIES)
+    assert passes["k"] == 4 and passes["n"] == 10 * len(families)
+    assert all(passes[f]["n"] == 10 and 0 <= passes[f]["pass_at_1"] <= passes[f]["pass_at_4"] <= 1 for f in families)
     predictions = (project / "runs/eval/pretrain/predictions.jsonl").read_text().splitlines()
     assert len(predictions) == 2 * held_out  # both formats
     samples = [json.loads(line) for line in (project / "runs/samples/pretrain.jsonl").read_text().splitlines()]
@@ -333,7 +333,8 @@ def test_queued_experiments_both_finish_and_differ(project, tmp_path):
     revs = [r for e in shown[1]["experiments"] for r in e["revs"]]
     by_name = {r["name"]: r["data"]["metrics"]["runs/eval/pretrain/metrics.json"]["data"] for r in revs}
     assert set(by_name) == {"eval10", "eval20"}
-    assert (by_name["eval10"]["chat"]["n"], by_name["eval20"]["chat"]["n"]) == (10 * len(FAMILIES), 20 * len(FAMILIES))
+    families = len(micro_params()["data"]["families"])
+    assert (by_name["eval10"]["chat"]["n"], by_name["eval20"]["chat"]["n"]) == (10 * families, 20 * families)
 
 
 def test_plots_page_has_the_loss_curves(project):

@@ -95,3 +95,22 @@ def test_corpus_paths_must_lie_in_the_folder_dvc_hashes(tmp_path):
         validate_params(micro_params(data={"source": "hf:my-dataset"}))
     validate_params(micro_params(data={"source": "hf:someone/corpus", "hf_revision": "main"}))  # the hub: no files
     validate_params(micro_params(data={"source": "files:/data/c/*.txt", "inputs": "/data/c"}))
+
+
+@pytest.mark.parametrize(
+    ("data", "grpo", "words"),
+    [
+        (["arithmetic", "poetry"], ["arithmetic"], "data.families: unknown ['poetry']; choose among"),
+        ([], ["arithmetic"], "data.families: empty list; name the synthetic task families to generate"),
+        (["arithmetic"], ["uses_word"], "grpo.families: ['uses_word'] not in data.families ['arithmetic']"),
+    ],
+)
+def test_task_families_are_checked_before_any_stage(monkeypatch, capsys, tmp_path, data, grpo, words):
+    """An unknown family, or a reward for a family the rl set will not hold, fails the params stage
+    and `stagelm check` in one line, before the download."""
+    path = str(write_params(tmp_path / "params.yaml", micro_params(data={"families": data}, grpo={"families": grpo})))
+    assert words in stage_fails(capsys, path)
+    monkeypatch.setattr(sys, "argv", ["stagelm", "check", "--params", path, "--pipeline", str(ROOT / "dvc.yaml")])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err

@@ -71,9 +71,9 @@ def check_manifest_files(directory: Path, key: str, producer: str) -> dict:
 def check(args: argparse.Namespace) -> None:
     params = read_params(args.params)
     sections = validate_params(params)
-    from stagelm.tasks import require_families
+    from stagelm.tasks import require_family_sets
 
-    require_families(sections["grpo"].families, "grpo.families")
+    require_family_sets(sections["data"], sections["grpo"])
     require_inputs(sections["data"])
     print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
     print_estimates(sections)

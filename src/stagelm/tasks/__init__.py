@@ -42,6 +42,7 @@ __all__ = [
     "check_answer",
     "first_sentence",
     "require_families",
+    "require_family_sets",
     "select",
     "spec_problem",
 ]
@@ -59,6 +60,19 @@ def require_families(names: list[str] | tuple[str, ...], key: str) -> None:
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise StagelmError(f"{key}: unknown {unknown}; choose among {list(FAMILIES)}")
+
+
+def require_family_sets(data: Any, grpo: Any) -> None:
+    """Fail, naming the key, unless `data.families` and `grpo.families` are registered and every
+    rewarded family is generated (when the rl set is the synthetic one): before any stage runs."""
+    require_families(data.families, "data.families")
+    require_families(grpo.families, "grpo.families")
+    missing = [f for f in grpo.families if f not in data.families]
+    if data.rl_files is None and missing:
+        raise StagelmError(
+            f"grpo.families: {missing} not in data.families {list(data.families)}, so the rl set has no prompt of "
+            "it; add it to data.families or reward another family"
+        )
 
 
 def select(names: list[str] | tuple[str, ...], key: str) -> dict[str, Family]:
