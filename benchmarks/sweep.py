@@ -2,16 +2,16 @@
 
     python benchmarks/sweep.py queue grpo.lr=5e-5,1e-4 grpo.advantages=group,none --seeds 0 1 2
     dvc queue start --jobs 1        # or: dvc exp run --run-all
-    python benchmarks/sweep.py table grpo.lr grpo.advantages > sweep.md
+    python benchmarks/sweep.py table grpo.lr grpo.advantages > sweep.md   # --rev <commit>: its experiments only
 
 `queue` adds one `dvc exp run --queue` per point of the grid and seed, each with its `-S`
 settings (every value as DVC writes it into params.yaml, so `5e-5` is a float). `table`
 reads `dvc exp show --csv` and prints a Markdown table with one row per point of the
 grid: the mean over its seeds of each metric (and the spread, max − min, when there are
 several) and how many seeds finished, below the rows of the commits the experiments
-started from (the checked-out commit's defaults, for reference). The default metrics are GRPO's on its
-rewarded family (three_digit: greedy, sampled, pass@8), its greedy arithmetic (not rewarded: it must
-hold), its corpus val loss and its reward; `--metric file:key` picks others.
+started from (the checked-out commit's defaults, for reference). The default metrics are GRPO's on
+arithmetic (greedy, sampled, pass@8), its corpus val loss and its reward; `--metric file:key` picks
+others.
 """
 
 import argparse
@@ -25,10 +25,9 @@ from collections import defaultdict
 
 GRPO = "runs/eval/grpo/metrics.json"
 DEFAULT_METRICS = [
-    f"{GRPO}:chat.three_digit.accuracy",
-    f"{GRPO}:chat_sampled.three_digit.accuracy",
-    f"{GRPO}:chat_pass_k.three_digit.pass_at_8",
     f"{GRPO}:chat.arithmetic.accuracy",
+    f"{GRPO}:chat_sampled.arithmetic.accuracy",
+    f"{GRPO}:chat_pass_k.arithmetic.pass_at_8",
     f"{GRPO}:val_loss",
     "runs/grpo/metrics.json:reward_first10",
     "runs/grpo/metrics.json:reward_last10",
@@ -71,27 +70,30 @@ def number(row: list[str], col: int | None) -> float | None:
         return None
 
 
-def table(params: list[str], metrics: list[str]) -> str:
-    shown = subprocess.run(["dvc", "exp", "show", "--csv", "--all-commits"], capture_output=True, text=True, check=True)
+def table(params: list[str], metrics: list[str], rev: str | None = None) -> str:
+    """The table of every commit's experiments, or with `rev` of the experiments that started from it."""
+    which = ["--rev", rev] if rev else ["--all-commits"]
+    shown = subprocess.run(["dvc", "exp", "show", "--csv", *which], capture_output=True, text=True, check=True)
     rows = list(csv.reader(io.StringIO(shown.stdout)))
     header, body = rows[0], rows[1:]
     state = header.index("State") if "State" in header else None
     p_cols = [column(header, p) for p in params]
     m_cols = [column(header, m) for m in metrics]
     groups: dict[tuple, list[list[float | None]]] = defaultdict(list)
-    rev, kind = header.index("rev"), header.index("typ")
-    git = ["git", "rev-parse", "--abbrev-ref", "HEAD"], ["git", "rev-parse", "--short=7", "HEAD"]
-    here = {subprocess.run(c, capture_output=True, text=True).stdout.strip() for c in git}
+    name, kind = header.index("rev"), header.index("typ")
+    start = rev or "HEAD"
+    git = ["git", "rev-parse", "--short=7", start], ["git", "branch", "--format=%(refname:short)", "--points-at", start]
+    here = {name for c in git for name in subprocess.run(c, capture_output=True, text=True).stdout.split()} | {start}
     for row in body:
         if state is not None and row[state] not in ("", "Success"):
             continue
-        if row[kind] == "baseline" and row[rev] not in here:  # of the commits, only the one checked out
+        if row[kind] == "baseline" and row[name] not in here:  # of the commits, only the one checked out (or rev)
             continue
         values = [number(row, c) for c in m_cols]
         if values[0] is None:  # not finished
             continue
         # a commit's own row (the defaults it was run with) stands apart from the experiments
-        label = f"commit {row[rev]}" if row[kind] == "baseline" else "experiments"
+        label = f"commit {row[name]}" if row[kind] == "baseline" else "experiments"
         groups[(label, *[row[c] for c in p_cols])].append(values)
     names = [m.rpartition(":")[2] for m in metrics]
     lines = [
@@ -121,12 +123,13 @@ def main() -> None:
     q.add_argument("--prefix", default="sweep", help="experiment names start with it")
     t = sub.add_parser("table", help="a Markdown table of the finished experiments, averaged over seeds")
     t.add_argument("params", nargs="+", help="the params that tell the points of the grid apart")
-    t.add_argument("--metric", action="append", help="file:key columns (default: GRPO's on three_digit and arithmetic)")
+    t.add_argument("--metric", action="append", help="file:key columns (default: GRPO's on arithmetic)")
+    t.add_argument("--rev", help="only the experiments started from this commit (default: from every commit)")
     args = parser.parse_args()
     if args.command == "queue":
         queue(args.settings, args.seeds, args.prefix)
     else:
-        print(table(args.params, args.metric or DEFAULT_METRICS))
+        print(table(args.params, args.metric or DEFAULT_METRICS, args.rev))
 
 
 if __name__ == "__main__":

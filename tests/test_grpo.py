@@ -209,7 +209,7 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
     change = {"steps": 12, "eval_every": 12, "checkpoint_every": 2, "updates_per_rollout": 2, "kl_coef": 0.05}
     if method == "lora":  # adapters only, with the anchor term: its rows are drawn per (seed, rollout, update),
         # and dynamic sampling: the prompts a rollout drew beyond its own batch move the stream on
-        change |= {"method": "lora", "lr": 1e-3, "dynamic_sampling": True, "max_draws": 2}
+        change |= {"method": "lora", "lr": 1e-3, "dynamic_sampling": True, "max_draws": 2, "anchor_coef": 1.0}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     for work in (killed, whole):
         work.mkdir()
