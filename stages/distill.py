@@ -108,6 +108,11 @@ def main() -> None:
         local = cfg.batch_size * cfg.grad_accum
         packed_batches = PackedBatches(rows, local // jax.process_count(), seed)
         batches = OnPolicyBatches(packed_batches, cfg.on_policy, nnx.graphdef(model), gen, conversations, local, seed)
+        print(
+            f"on-policy steps: {len(batches.prompts)} SFT prompts, answers of up to {batches.max_new} tokens"
+            + (f" ({batches.skipped} longer prompts leave no room for one)" if batches.skipped else ""),
+            flush=True,
+        )
     print(
         f"distill: student {n_student:,} params from teacher {n_teacher:,} (init: {init}); alpha {cfg.alpha}, "
         f"T {cfg.temperature}, data {cfg.data}, on-policy share {cfg.on_policy}; fingerprint {fp}",

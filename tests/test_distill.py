@@ -170,9 +170,14 @@ def test_on_policy_rows_are_the_students_own_answers_scored_by_the_teacher_alone
     assert SAMPLED not in packed and packed["tokens"].shape[1] == micro_params()["pack"]["seq_len"] + 1
     batch, host = source.next(params, frozen)  # step 2: the student's answers
     stop = np.asarray(source.stop)
-    chosen = np.random.default_rng([0, 2]).choice(len(conversations), 8, replace=False)
+    chosen = np.random.default_rng([0, 2]).choice(len(source.prompts), 8, replace=False)
+    tok = source.gen.tokenizer
+    every = [chat_prompt_ids(tok, c["messages"][0]["content"]) for c in conversations]
+    # the prompts that leave room for the longest reference answer, and only those
+    assert source.prompts == [p for p in every if len(p) + source.max_new <= source.gen.capacity]
+    assert 0 < source.skipped < len(every)  # the micro context (64) is too short for the longest uses_word prompts
     for row, mask, seg, i in zip(batch["tokens"], batch["loss_mask"], batch["segment_ids"], chosen, strict=True):
-        prompt = chat_prompt_ids(source.gen.tokenizer, conversations[i]["messages"][0]["content"])
+        prompt = source.prompts[i]
         start = len(row) - source.max_new
         assert row[start - len(prompt) : start].tolist() == prompt and not mask[:start].any()
         answer = row[start:][mask[start:] == 1]

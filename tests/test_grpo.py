@@ -207,6 +207,7 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, method):
     change = {"steps": 12, "eval_every": 12, "checkpoint_every": 2, "updates_per_rollout": 2, "kl_coef": 0.05}
+    change |= {"dynamic_sampling": False}  # the plain rollout (one batch of prompts each)
     if method == "lora":  # adapters only, with the anchor term: its rows are drawn per (seed, rollout, update),
         # and dynamic sampling: the prompts a rollout drew beyond its own batch move the stream on
         change |= {"method": "lora", "lr": 1e-3, "dynamic_sampling": True, "max_draws": 2, "anchor_coef": 1.0}
@@ -267,7 +268,9 @@ def test_the_update_scores_the_sampled_tokens_as_the_sampler_drew_them(micro_dat
     """The rollout's training rows hold the sampled tokens under the completion mask, and the
     log-probs the update computes from them (teacher-forced, whole rows) equal the ones the
     KV-cache sampler drew them with: same positions, segments, padding and mask."""
-    cfg = load_section(micro_params(grpo={"prompts_per_step": 8, "group_size": 4, "anchor_coef": 0.0}), "grpo")
+    # two updates per rollout: the update's old log-probs are then the policy's own, scored as the loss scores them
+    change = {"prompts_per_step": 8, "group_size": 4, "anchor_coef": 0.0, "updates_per_rollout": 2}
+    cfg = load_section(micro_params(grpo=change), "grpo")
     tasks, _ = rollout_sets(micro_data / "raw", cfg)
     model = load_model(policy)
     gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
@@ -333,7 +336,7 @@ def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path):
 
     change = {"prompts_per_step": 4, "group_size": 8, "steps": 10, "eval_every": 10, "checkpoint_every": 10}
     change |= {"updates_per_rollout": 1, "lr": 3e-3, "warmup_steps": 1, "kl_coef": 0.0, "anchor_coef": 0.0}
-    change |= {"max_new_tokens": 40}  # the worked answer is 26 tokens
+    change |= {"max_new_tokens": 40, "dynamic_sampling": False}  # the worked answer is 26 tokens; the plain rollout
     grpo = load_section(micro_params(grpo=change), "grpo")
     rl = [{"family": "arithmetic", "chat_prompt": task.chat_prompt, "spec": json.dumps(task.spec)}]
     gen = Generator(model, tok, 128)

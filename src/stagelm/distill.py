@@ -166,9 +166,18 @@ class OnPolicyBatches:
     ):
         self.data, self.share, self.graphdef, self.gen, self.rows, self.seed = data, share, graphdef, gen, rows, seed
         tok = gen.tokenizer
-        self.prompts = [chat_prompt_ids(tok, c["messages"][0]["content"]) for c in conversations]
+        prompts = [chat_prompt_ids(tok, c["messages"][0]["content"]) for c in conversations]
         # Room for the longest reference answer (and its end token): the answers the student should give.
         self.max_new = max(sum(chat_segments(tok, c["messages"])[1]) for c in conversations) + 1
+        # Prompts that leave that room in the context (a prompt that does not is no use: its answer would be cut).
+        self.prompts = [p for p in prompts if len(p) + self.max_new <= gen.capacity]
+        if len(self.prompts) < rows:
+            raise StagelmError(
+                f"distill.on_policy: {len(self.prompts)} of {len(prompts)} SFT prompts leave room for a "
+                f"{self.max_new}-token answer in the context of {gen.capacity}, fewer than the {rows} rows of "
+                "a step; raise pack.seq_len or set distill.on_policy to 0"
+            )
+        self.skipped = len(prompts) - len(self.prompts)
         self.stop = gen.stop_mask(chat=True, stop_at_newline=True)
         self.sampling = Sampling(temperature=1.0)
         self.step = 0
