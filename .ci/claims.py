@@ -66,8 +66,10 @@ def pretrain_claims(params: dict) -> None:
         f"pretrain: val loss {m['val_loss']:.3f} nats is under half the unigram entropy {unigram:.3f} nats",
     )
     worked = load("runs/eval/pretrain/metrics.json")["completion"]["arithmetic"]["accuracy"]
-    # held on seeds 0, 1 and 2 (0.963, 0.944, 0.892: README, "The default recipe, and why")
-    claim(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
+    # Held on seeds 0, 1 and 2 with the copying families in the corpus (0.995, 0.944, 0.892); on arithmetic
+    # alone (data.families, issue 36) seeds 0 and 1 hold it (0.827, 0.898) and seed 2 does not (0.764):
+    # README, "What the default run gives". A target until it holds on three seeds again.
+    target(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
 
 
 def model_stages() -> list[str]:
@@ -117,7 +119,7 @@ def sft_claims() -> None:
     arithmetic = sft["chat"]["arithmetic"]["accuracy"]
     target(arithmetic >= 0.90, f"sft: chat arithmetic {arithmetic:.3f} (>= 0.90)")
     cost = sft["val_loss"] - pre["val_loss"]
-    claim(  # held on seeds 0, 1 and 2 (-0.001, -0.004, -0.003)
+    claim(  # held on seeds 0, 1 and 2 (-0.009, -0.004, -0.014 on arithmetic alone)
         cost <= 0.25,
         f"sft: corpus val loss {pre['val_loss']:.3f} → {sft['val_loss']:.3f} nats, {cost:+.3f} (<= +0.25)",
     )
