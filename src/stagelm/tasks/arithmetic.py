@@ -18,6 +18,7 @@ training pool).
 
 import random
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stagelm.tasks.family import Family, Problem, Task, first_sentence
@@ -45,16 +46,20 @@ def working(a: int, op: str, b: int) -> str:
     return f"{ones}, {tens}, so {OPS[op](a, b)}."
 
 
-def arithmetic_task(a: int, op: str, b: int) -> Task:
-    steps = working(a, op, b)
+def worked_task(family: str, a: int, op: str, b: int, steps: str) -> Task:
+    """`a op b` asked in both formats, answered by its working `steps` (this family's or three_digit's)."""
     return Task(
-        family="arithmetic",
+        family=family,
         prompt=f"Work out {a} {op} {b}:",
         chat_prompt=f"What is {a} {op} {b}?",
         answer=f" {steps}",
         chat_answer=steps,
         spec={"answer": OPS[op](a, b)},
     )
+
+
+def arithmetic_task(a: int, op: str, b: int) -> Task:
+    return worked_task("arithmetic", a, op, b, working(a, op, b))
 
 
 def ask(rng: random.Random, problem: Problem) -> Task:
@@ -69,10 +74,17 @@ def check(spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
     return match is not None, match is not None and int(match.group(1)) == spec["answer"]
 
 
-def sheet(rng: random.Random, pool: list[Problem]) -> str:
-    """A corpus document: 4-10 worked problems of the training pool, one per line."""
-    lines = [arithmetic_task(*rng.choice(pool)) for _ in range(rng.randint(4, 10))]
-    return "\n".join(t.prompt + t.answer for t in lines)
+def sheet_of(task: Callable[..., Task]) -> Callable[[random.Random, Sequence[Problem]], str]:
+    """The corpus documents of a worked family: 4-10 `task`s of the training pool, one per line."""
+
+    def sheet(rng: random.Random, pool: Sequence[Problem]) -> str:
+        lines = [task(*rng.choice(pool)) for _ in range(rng.randint(4, 10))]
+        return "\n".join(t.prompt + t.answer for t in lines)
+
+    return sheet
+
+
+sheet = sheet_of(arithmetic_task)
 
 
 FAMILY = Family(

@@ -21,7 +21,7 @@ decodes a problem from its index and the split samples the held-out indices
 import bisect
 import random
 
-from stagelm.tasks.arithmetic import OPS, check
+from stagelm.tasks.arithmetic import OPS, check, sheet_of, worked_task
 from stagelm.tasks.family import Family, IndexedSpace, Problem, Task, split_sampled
 
 # plus: every (a, b) of 0-999 but the 100 × 100 where both are under 100; minus: a of 100-999, b of 0-a.
@@ -63,25 +63,11 @@ def working(a: int, op: str, b: int) -> str:
 
 
 def three_digit_task(a: int, op: str, b: int) -> Task:
-    steps = working(a, op, b)
-    return Task(
-        family="three_digit",
-        prompt=f"Work out {a} {op} {b}:",
-        chat_prompt=f"What is {a} {op} {b}?",
-        answer=f" {steps}",
-        chat_answer=steps,
-        spec={"answer": OPS[op](a, b)},
-    )
+    return worked_task("three_digit", a, op, b, working(a, op, b))
 
 
 def ask(rng: random.Random, problem: Problem) -> Task:
     return three_digit_task(*problem)
-
-
-def sheet(rng: random.Random, pool) -> str:
-    """A corpus document: 4-10 worked problems of the training pool, one per line."""
-    lines = [three_digit_task(*rng.choice(pool)) for _ in range(rng.randint(4, 10))]
-    return "\n".join(t.prompt + t.answer for t in lines)
 
 
 FAMILY = Family(
@@ -90,7 +76,7 @@ FAMILY = Family(
     ask,
     check,
     sft_share=0.3,
-    corpus=sheet,
+    corpus=sheet_of(three_digit_task),
     corpus_share=0.15,
     spec_schema={"answer": int},
     split=split_sampled,
