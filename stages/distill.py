@@ -48,9 +48,8 @@ from stagelm.rawdata import read_raw
 from stagelm.tokenizer import load_tokenizer
 from stagelm.trainloop import PackedBatches, record_training, start_training, train
 
-UNREAD_WITH = {
-    "--control": ["distill.alpha", "distill.temperature", "distill.on_policy"]
-}  # for `stagelm deps` and dvc.yaml
+# The keys the control run does not read, for `stagelm deps` and dvc.yaml.
+UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature", "distill.on_policy"]}
 
 
 def main() -> None:
