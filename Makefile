@@ -17,7 +17,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,serve,serve-test]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,serve,serve-test,test]'
 	touch $@
 
 repro: setup

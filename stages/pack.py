@@ -2,11 +2,12 @@
 
 python stages/pack.py --params params.yaml --raw data/raw --tokenizer data/tokenizer --out data/packed
 
-Under `stagelm launch` with N processes, process p packs the p-th of N contiguous
-ranges of each corpus split's documents into its own shards (`shard-PPP-NNNNN.arrow`);
-when all are done, process 0 writes each split's manifest, listing the shards in
-process order. So the rows are the single process's, except that each process pads
-its own last row. The SFT split is small and packed by process 0 alone.
+Under `stagelm launch` with N processes the output is the one process's, byte for byte:
+process p encodes the p-th of N contiguous ranges of each corpus split's documents and
+spills their tokens to the staging folder (2 bytes a token); once all are done, the
+stream is cut into rows and shards exactly as one process cuts it, and process p writes
+shards p, p + N, ...; process 0 writes the manifest and removes the spill. The SFT split
+is small and packed by process 0 alone.
 
 Everything is written into a folder beside the output (`.packed.partial`), which
 replaces the output only when all three splits are done: a failed or killed pack (a
@@ -22,8 +23,18 @@ from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
 from stagelm.files import read_json, replace_folder, sha256_file, write_json
 from stagelm.memory import host_available, pack_buffer_bytes, require_memory
-from stagelm.pack import ShardWriter, pack_chats, pack_corpus, write_manifest, write_split
+from stagelm.pack import (
+    ShardWriter,
+    Spilled,
+    pack_chats,
+    pack_corpus,
+    spill_corpus,
+    write_manifest,
+    write_spilled,
+    write_split,
+)
 from stagelm.rawdata import iter_column, read_raw
+from stagelm.shards import token_type
 from stagelm.stage import beside, start
 from stagelm.tokenizer import load_tokenizer
 
@@ -60,8 +71,13 @@ def pack_splits(cfg: Any, raw: Path, tokenizer: Path, out: Path, index: int, cou
 
     for split in ("train", "val"):  # streamed: documents in batches, shards written as they fill
         texts = iter_column(raw, f"corpus_{split}", "text", share=(index, count))
-        prefix = "shard-" if count == 1 else f"shard-{index:03d}-"
-        part = pack_corpus(tok, texts, ShardWriter(out / split, row_len, cfg.rows_per_shard, vocab, prefix))
+        writer = ShardWriter(out / split, row_len, cfg.rows_per_shard, vocab)
+        if count == 1:
+            part = pack_corpus(tok, texts, writer)
+        else:
+            spill_corpus(tok, texts, out / split, f".spill-{index:03d}", token_type(vocab))
+            distributed.barrier(f"pack {out / split} spilled")
+            part = write_spilled(Spilled(out / split, ".spill-", count, token_type(vocab)), writer, index, count)
         parts = gather(out / split, part, index, count)
         if index == 0:
             m = write_manifest(out / split, row_len, vocab, parts, meta)
@@ -85,7 +101,7 @@ def gather(out: Path, part: dict, index: int, count: int) -> list[dict]:
         return []
     files = [out / f"process-{p:03d}.json" for p in range(count)]
     parts = [read_json(f) for f in files]
-    for f in files:
+    for f in files + list(out.glob(".spill-*")):
         f.unlink()
     return parts
 

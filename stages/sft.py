@@ -59,7 +59,7 @@ def main() -> None:
     }
     fp = stage_fingerprint(__file__, read, inputs)
 
-    model = load_model(args.model)
+    model = load_model(args.model, mesh)  # sharded as training places it, in every process
     trainable = nnx.Param
     if cfg.method == "lora":
         model, trainable = add_lora(model, cfg.lora, nnx.Rngs(seed)), nnx.LoRAParam

@@ -7,7 +7,8 @@ stagelm launch <stage command>
     run a stage's command behind params.yaml's `launch.command` (dvc.yaml's pack and
     training stages start this way). Empty, the command runs as it is; a cluster
     wrapper such as `srun --nodes=2 --ntasks-per-node=4` starts it on every task and
-    blocks until they all end, so `dvc repro` on the head node waits for the job.
+    blocks until they all end, so `dvc repro` on the head node waits for the job. It sets
+    SLURM_KILL_BAD_EXIT=1 unless set: a task that fails ends its step at once.
     `launch` is an execution setting: no stage lists it, so it reruns nothing.
 stagelm serve <model dir> [--host 127.0.0.1] [--port 8000]
     an OpenAI-compatible server (chat and text completions, streamed or not) with a
@@ -133,6 +134,9 @@ def launch(args: argparse.Namespace) -> None:
         raise StagelmError("launch: give the stage command, e.g. `stagelm launch python stages/pretrain.py ...`")
     params_file = command[command.index("--params") + 1] if "--params" in command[:-1] else "params.yaml"
     argv = shlex.split(load_section(read_params(params_file), "launch").command) + command
+    # srun's default, when one task of a step fails, is to wait for the others: peers stuck in a
+    # collective wait forever. Ask it to end the step at once (a --kill-on-bad-exit in the command wins).
+    os.environ.setdefault("SLURM_KILL_BAD_EXIT", "1")
     try:
         os.execvp(argv[0], argv)  # the stage (or the wrapper) replaces this process: signals reach it directly
     except OSError as err:

@@ -5,6 +5,9 @@ do; `run_main` prints it as one line on stderr and exits non-zero, no traceback.
 errors (a full disk, a read-only folder, a missing path), undecodable or too-deep input
 and a device out of memory are user errors too: the same one line, naming the path.
 
+One process of a multi-process run that fails leaves at once, traceback or line
+printed, without waiting for its peers in JAX's shutdown (`srun` then ends them).
+
 Ctrl-C (SIGINT) and SIGTERM end the process at once with exit code 128 + signal:
 a KeyboardInterrupt raised inside library code (a checkpoint save, a data loader)
 could be caught there and let the stage run on and report success, which DVC would
@@ -19,6 +22,7 @@ import errno
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 
 from stagelm.hugepages import restart_with_huge_pages
@@ -76,6 +80,16 @@ def error_line(err: BaseException) -> str | None:
     return None
 
 
+def one_of_several() -> bool:
+    """Whether this process is one of a multi-process run (a bad variable counts as not)."""
+    from stagelm.distributed import several_processes  # it imports this module
+
+    try:
+        return several_processes()
+    except StagelmError:
+        return False
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Run an entry point; turn a user error (StagelmError, an OS error, undecodable or
     too-deep input, a device out of memory) into one stderr line and exit code 2. Any
@@ -86,13 +100,20 @@ def run_main(main: Callable[[], object]) -> None:
         main()
     except Exception as err:
         line = error_line(err)
+        # One process of several leaves at once: exiting normally would wait in JAX's shutdown
+        # barrier for peers that may themselves wait on this one, and the launcher (srun) ends
+        # the others only when this one has gone.
+        at_once = getattr(err, "exit_at_once", False) or one_of_several()
         if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        if getattr(err, "exit_at_once", False):  # library threads left in a state that shutdown would report
+            if not at_once:
+                raise
+            traceback.print_exc()
+        else:
+            print(f"error: {line}", file=sys.stderr)
+        if at_once:  # also: library threads left in a state that shutdown would report
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(2)
+            os._exit(2 if line else 1)
         sys.exit(2)
     finally:
         for sig, handler in previous.items():

@@ -171,13 +171,11 @@ def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> 
     params_file = model_dir / PARAMS_FILE
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
-    if mesh is not None:
-        shardings = param_shardings(state, mesh)
-    else:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, state)
     tensors = load_tensors(params_file)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    # Without a mesh: uncommitted arrays on this process's default device, which a later
+    # device_put may place on any mesh, across processes too (a committed array may not).
+    shardings = jax.tree.leaves(param_shardings(state, mesh)) if mesh is not None else [None] * len(leaves)
     names = [tensor_name(path) for path, _ in leaves]
     if sorted(names) != sorted(tensors):
         missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
@@ -186,12 +184,15 @@ def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> 
             "rerun its stage"
         )
     arrays = []
-    for name, (_, want), sharding in zip(names, leaves, jax.tree.leaves(shardings), strict=True):
+    for name, (_, want), sharding in zip(names, leaves, shardings, strict=True):
         have = tensors[name]
         if have.shape != want.shape or have.dtype != want.dtype:
             raise StagelmError(
                 f"{params_file}: {name} is {have.dtype}{list(have.shape)}, config.json says "
                 f"{want.dtype}{list(want.shape)}; rerun its stage"
             )
-        arrays.append(jax.make_array_from_callback(have.shape, sharding, lambda index, a=have: a[index]))
+        if sharding is None:
+            arrays.append(jnp.asarray(have))
+        else:
+            arrays.append(jax.make_array_from_callback(have.shape, sharding, lambda index, a=have: a[index]))
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, arrays), rest)

@@ -113,13 +113,20 @@ class ShardWriter:
         while self.pending_rows >= self.rows_per_shard:
             self.write(self.rows_per_shard)
 
-    def write(self, n: int) -> None:
+    def put(self, columns: dict[str, np.ndarray], number: int) -> None:
+        """Write `columns` at once as shard `number` (when processes share a split's shards)."""
+        assert not self.pending, "put: rows are pending"
+        self.pending, self.pending_rows = [columns], len(columns["tokens"])
+        self.write(self.pending_rows, number)
+
+    def write(self, n: int, number: int | None = None) -> None:
+        """Write the first `n` pending rows as a shard, numbered `number` (default: the next)."""
         joined = {k: np.concatenate([p[k] for p in self.pending]) for k in self.pending[0]}
         part = {k: v[:n] for k, v in joined.items()}
         rest = {k: v[n:] for k, v in joined.items()}
         self.pending, self.pending_rows = ([rest] if len(rest["tokens"]) else []), self.pending_rows - n
         table = encode_rows(part, self.vocab_size)
-        path = self.out_dir / f"{self.prefix}{len(self.shards):05d}.arrow"
+        path = self.out_dir / f"{self.prefix}{len(self.shards) if number is None else number:05d}.arrow"
         tmp = path.with_suffix(".arrow.tmp")
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
@@ -153,14 +160,15 @@ class ShardWriter:
 
 
 def write_manifest(out_dir: Path, row_len: int, vocab_size: int, parts: list[dict[str, Any]], meta: dict) -> dict:
-    """manifest.json of a split written as `parts` (one per process, in process order):
-    their shards in that order and their totals. Shard files in `out_dir` that the
-    manifest does not list (from an earlier run) are removed."""
+    """manifest.json of a split written as `parts` (one per process): their shards, in the
+    order of their numbers, and their totals. Shard files in `out_dir` that the manifest
+    does not list (from an earlier run) are removed. Nothing in it says how many
+    processes wrote the split: the bytes are the same however many did."""
     counts = np.zeros(max(len(p["counts"]) for p in parts), np.int64)
     for part in parts:
         counts[: len(part["counts"])] += part["counts"]
     rows, real = sum(p["rows"] for p in parts), sum(p["tokens"] for p in parts)
-    shards = [s for p in parts for s in p["shards"]]
+    shards = sorted((s for p in parts for s in p["shards"]), key=lambda s: int(s["file"].rsplit("-", 1)[1][:-6]))
     freqs = counts[counts > 0] / real
     if all("documents" in p for p in parts):
         meta = {**meta, "documents": sum(p["documents"] for p in parts)}
@@ -175,7 +183,6 @@ def write_manifest(out_dir: Path, row_len: int, vocab_size: int, parts: list[dic
         "unigram_entropy_nats": float(-(freqs * np.log(freqs)).sum()),
         "columns": next(p["columns"] for p in parts if p["columns"]),
         "token_dtype": token_type(vocab_size).name,  # on disk (stagelm.shards); rows read as int32
-        "processes": len(parts),
         "shards": shards,
     }
     listed = {s["file"] for s in shards}
@@ -251,6 +258,64 @@ def pack_corpus(tok: Tokenizer, batches: Iterable[list[str]], writer: ShardWrite
     for texts in batches:
         packer.add_joined(*encode_joined(tok, texts, eos))
     return packer.close()
+
+
+def spill_corpus(tok: Tokenizer, batches: Iterable[list[str]], folder: Path, name: str, dtype: np.dtype) -> None:
+    """Encode (a share of) a corpus split streamed as batches of texts, appending its tokens
+    (each document followed by EOS) to `folder/name.tokens` and each document's end (the
+    offset one past its EOS) to `folder/name.ends`: raw arrays, read back by `Spilled`."""
+    eos = special_id(tok, EOS)
+    end = 0
+    with open(folder / f"{name}.tokens", "wb") as tokens, open(folder / f"{name}.ends", "wb") as ends:
+        for texts in batches:
+            joined, lengths = encode_joined(tok, texts, eos)
+            joined.astype(dtype).tofile(tokens)
+            (end + np.cumsum(lengths)).astype(np.int64).tofile(ends)
+            end += int(lengths.sum())
+
+
+class Spilled:
+    """The token stream of a corpus split that `count` processes spilled in contiguous shares
+    (`spill_corpus`, files `<prefix>PPP.tokens`/`.ends`), read as one stream in process order."""
+
+    def __init__(self, folder: Path, prefix: str, count: int, dtype: np.dtype):
+        def read(path: Path, kind: Any) -> np.ndarray:  # np.memmap cannot map an empty file
+            return np.memmap(path, kind, "r") if path.stat().st_size else np.zeros(0, kind)
+
+        self.tokens = [read(folder / f"{prefix}{p:03d}.tokens", dtype) for p in range(count)]
+        self.ends = [read(folder / f"{prefix}{p:03d}.ends", np.int64) for p in range(count)]
+        self.offsets = np.cumsum([0] + [len(t) for t in self.tokens])  # where each share starts in the stream
+        self.first_docs = np.cumsum([0] + [len(e) for e in self.ends])
+        self.total = int(self.offsets[-1])
+
+    def rows(self, start: int, stop: int, row_len: int) -> dict[str, np.ndarray]:
+        """Rows `start` to `stop` of concatenate-and-chunk over the whole stream (`pack_stream`'s
+        rows): the last row of the stream is padded."""
+        a, b = start * row_len, min(stop * row_len, self.total)
+        tokens, docs = [], []
+        for p, (t, e) in enumerate(zip(self.tokens, self.ends, strict=True)):
+            lo, hi = max(a, self.offsets[p]) - self.offsets[p], min(b, self.offsets[p + 1]) - self.offsets[p]
+            if lo < hi:
+                tokens.append(np.asarray(t[lo:hi], np.int32))
+                docs.append(self.first_docs[p] + np.searchsorted(e, np.arange(lo, hi), side="right"))
+        padded = (stop - start) * row_len - (b - a)
+        tokens.append(np.zeros(padded, np.int32))
+        docs.append(np.full(padded, -1))
+        segment_ids, positions = segment_layout(np.concatenate(docs).reshape(-1, row_len))
+        rows = np.concatenate(tokens).reshape(-1, row_len)
+        return {"tokens": rows, "segment_ids": segment_ids, "positions": positions}
+
+
+def write_spilled(spilled: Spilled, writer: ShardWriter, index: int, count: int) -> dict[str, Any]:
+    """Write shards number index, index + count, ... of the spilled stream (cut as one process
+    cuts it: `rows_per_shard` rows each) with `writer`; return its part of the split. The
+    documents are counted by the process whose share holds them."""
+    rows = -(-spilled.total // writer.row_len)
+    per = writer.rows_per_shard
+    for number in range(index, -(-rows // per), count):
+        start, stop = number * per, min((number + 1) * per, rows)
+        writer.put(spilled.rows(start, stop, writer.row_len), number)
+    return {**writer.close(), "documents": len(spilled.ends[index])}
 
 
 def pack_chats(tok: Tokenizer, conversations: list[list[dict]], row_len: int) -> tuple[dict[str, np.ndarray], int]:
