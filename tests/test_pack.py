@@ -9,11 +9,14 @@ from stagelm.loader import PackedRows
 from stagelm.pack import (
     CorpusPacker,
     ShardWriter,
+    Spilled,
     pack_chats,
     pack_corpus,
     pack_next_fit,
     pack_stream,
+    spill_corpus,
     write_manifest,
+    write_spilled,
     write_split,
 )
 from stagelm.rawdata import iter_column, read_raw
@@ -129,6 +132,29 @@ def test_streamed_packing_writes_exactly_the_in_memory_shards(tmp_path, batch):
         packer.add(docs[start : start + batch])
         assert len(packer.tail) < 9 and packer.writer.pending_rows < 4  # only the unfinished row and shard wait
     assert packer.finish({}) == whole  # rows, tokens, entropy and every shard's sha256
+
+
+@pytest.mark.parametrize(("count", "rows_per_shard"), [(2, 1000), (3, 4), (5, 3)])
+def test_shares_spilled_by_several_processes_give_the_one_process_shards(micro_data, tmp_path, count, rows_per_shard):
+    """What N processes of the pack stage do, played in one process: every process spills its
+    share, then writes shards p, p + N, ... of the joined stream (one shard: the others write
+    none; more processes than shards, too)."""
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    vocab, dtype, raw = tok.get_vocab_size(), np.dtype(np.uint16), micro_data / "raw"
+    one = tmp_path / "one"
+    part = pack_corpus(tok, iter_column(raw, "corpus_val", "text"), ShardWriter(one, 65, rows_per_shard, vocab))
+    write_manifest(one, 65, vocab, [part], {})
+    many = tmp_path / "many"
+    writers = [ShardWriter(many, 65, rows_per_shard, vocab) for _ in range(count)]
+    for p in range(count):
+        spill_corpus(tok, iter_column(raw, "corpus_val", "text", share=(p, count)), many, f".spill-{p:03d}", dtype)
+    spilled = Spilled(many, ".spill-", count, dtype)
+    parts = [write_spilled(spilled, writers[p], p, count) for p in range(count)]
+    for spill in many.glob(".spill-*"):
+        spill.unlink()
+    write_manifest(many, 65, vocab, parts, {})
+    assert tree_bytes(many) == tree_bytes(one)
+    assert read_json(one / "manifest.json")["documents"] == len(read_raw(raw, "corpus_val"))
 
 
 @pytest.mark.slow

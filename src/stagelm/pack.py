@@ -165,8 +165,8 @@ def write_manifest(out_dir: Path, row_len: int, vocab_size: int, parts: list[dic
     does not list (from an earlier run) are removed. Nothing in it says how many
     processes wrote the split: the bytes are the same however many did."""
     counts = np.zeros(max(len(p["counts"]) for p in parts), np.int64)
-    for part in parts:
-        counts[: len(part["counts"])] += part["counts"]
+    for part in parts:  # a process that wrote no shard has no counts: [] reads back as float
+        counts[: len(part["counts"])] += np.asarray(part["counts"], np.int64)
     rows, real = sum(p["rows"] for p in parts), sum(p["tokens"] for p in parts)
     shards = sorted((s for p in parts for s in p["shards"]), key=lambda s: int(s["file"].rsplit("-", 1)[1][:-6]))
     freqs = counts[counts > 0] / real
