@@ -32,10 +32,10 @@ def env(devices: int, **extra: str) -> dict:
     return {**env_with_venv(), "XLA_FLAGS": flags, **extra}
 
 
-def launch_two(cmd: list[str], cwd) -> list[subprocess.CompletedProcess]:
-    """Start `stagelm launch <cmd>` as processes 0 and 1 of a loopback job, and wait for both."""
+def start_two(cmds: list[list[str]], cwd) -> list[subprocess.Popen]:
+    """Start `stagelm launch <cmds[i]>` as process i of a two-process loopback job."""
     port = free_port()
-    procs = [
+    return [
         subprocess.Popen(
             [str(BIN / "stagelm"), "launch", *cmd],
             cwd=cwd,
@@ -49,8 +49,13 @@ def launch_two(cmd: list[str], cwd) -> list[subprocess.CompletedProcess]:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for i in range(2)
+        for i, cmd in enumerate(cmds)
     ]
+
+
+def launch_two(cmd: list[str], cwd) -> list[str]:
+    """Run `stagelm launch <cmd>` as processes 0 and 1 of a loopback job; their output."""
+    procs = start_two([cmd, cmd], cwd)
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
@@ -87,6 +92,24 @@ def test_two_processes_match_one(micro_data, tmp_path):
     assert "resuming from step 12" in outs[0] and "resuming from step 12" in outs[1]
     for x, y in zip(model_before, jax.tree.leaves(load_model(multi / "out/model")), strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_a_process_that_fails_leaves_at_once(micro_data, tmp_path):
+    """Process 1 of two meets a bad input after joining the runtime: it prints its line and
+    exits, without waiting in JAX's shutdown for process 0, which waits on it in turn (so a
+    launcher such as srun can end the job at once)."""
+    write_params(tmp_path / "params.yaml", micro_params())
+    good = command(micro_data, tmp_path)
+    bad = [*good[:5], str(tmp_path / "missing"), *good[6:]]
+    procs = start_two([good, bad], tmp_path)
+    try:
+        out = procs[1].communicate(timeout=20)[0]  # an orderly exit waits on process 0 far longer
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert procs[1].returncode == 2, out
+    assert out.strip().splitlines()[-1].startswith(f"error: {tmp_path / 'missing'}"), out
 
 
 def test_launch_prefix_and_bad_variables(micro_data, tmp_path):

@@ -81,13 +81,9 @@ def error_line(err: BaseException) -> str | None:
 
 
 def one_of_several() -> bool:
-    """Whether this process is one of a multi-process run (a bad variable counts as not)."""
-    from stagelm.distributed import several_processes  # it imports this module
-
-    try:
-        return several_processes()
-    except StagelmError:
-        return False
+    """Whether this process has joined JAX's multi-process runtime (without importing JAX)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
 
 
 def run_main(main: Callable[[], object]) -> None:
