@@ -108,6 +108,7 @@ def slurm_project(cluster, tmp_path_factory):
     killed_out = repro.communicate(timeout=60)[0]
     lived_on = time.monotonic() - killed
     assert repro.returncode != 0, killed_out
+    print(f"slurm: `dvc repro pretrain` failed {lived_on:.1f} s after task 1 was killed")
 
     script = root / "job.sh"
     script.write_text(
