@@ -30,6 +30,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the se
 import copy
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,6 +145,13 @@ def forward(model, tokens, segment_ids, positions):
 def write_params(path: Path, params: dict) -> Path:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def env_with_venv() -> dict:

@@ -15,12 +15,12 @@ skipping when `STAGELM_REQUIRE_CLUSTER_TESTS` is set (.ci/run sets it).
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 INSTALL = "apt-get install slurm-wlm munge"
@@ -43,12 +43,6 @@ def skip_or_fail(reason: str) -> None:
     if os.environ.get(REQUIRED):
         pytest.fail(f"{reason} ({REQUIRED} is set: these tests must run)")
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sbin(name: str) -> str:

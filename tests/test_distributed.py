@@ -1,14 +1,24 @@
 """Multi-process training on JAX's own runtime: two CPU processes ≡ one process with the same devices."""
 
-import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import BIN, ROOT, TEST_XLA_FLAGS, env_with_venv, micro_params, run, tree_bytes, write_params
+from conftest import (
+    BIN,
+    ROOT,
+    TEST_XLA_FLAGS,
+    env_with_venv,
+    free_port,
+    micro_params,
+    run,
+    tree_bytes,
+    write_params,
+)
 from test_pretrain_stage import command, history
 
 from stagelm.files import read_json
@@ -19,12 +29,6 @@ pytestmark = pytest.mark.slow
 # fsdp inside a process, data across processes: params, optimizer state and batches
 # all cross the process boundary.
 MESH = {"data": -1, "fsdp": 2, "tensor": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(devices: int, **extra: str) -> dict:
@@ -62,6 +66,21 @@ def launch_two(cmd: list[str], cwd) -> list[str]:
     return outs
 
 
+def assert_trained_alike(a: Path, b: Path) -> None:
+    """Two training runs' outputs (metrics history, model) agree to rounding: every plotted
+    metric at the same steps within 1e-4 (relative), every param within 1e-5."""
+    history_a, history_b = history(a), history(b)
+    assert history_a.keys() == history_b.keys() and "train/loss.tsv" in history_a
+    for name in history_a:
+        steps_a, values_a = zip(*history_a[name], strict=True)
+        steps_b, values_b = zip(*history_b[name], strict=True)
+        assert steps_a == steps_b, name
+        np.testing.assert_allclose(np.float64(values_a), np.float64(values_b), rtol=1e-4, err_msg=name)
+    leaves = [jax.tree.leaves(load_model(out / "model")) for out in (a, b)]
+    for x, y in zip(*leaves, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
 def test_two_processes_match_one(micro_data, tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
     for work in (single, multi):
@@ -74,17 +93,7 @@ def test_two_processes_match_one(micro_data, tmp_path):
     assert "pretrain: done at step 12" in outs[0]
     assert "step 12/12" in outs[0] and "step 12/12" not in outs[1]
     assert read_json(multi / "out/provenance.json")["devices"]["processes"] == 2
-    a, b = history(single / "out"), history(multi / "out")
-    assert a.keys() == b.keys() and "train/loss.tsv" in a
-    for name in a:
-        steps_a, values_a = zip(*a[name], strict=True)
-        steps_b, values_b = zip(*b[name], strict=True)
-        assert steps_a == steps_b
-        np.testing.assert_allclose(np.float64(values_a), np.float64(values_b), rtol=1e-4, err_msg=name)
-    for x, y in zip(
-        jax.tree.leaves(load_model(single / "out/model")), jax.tree.leaves(load_model(multi / "out/model")), strict=True
-    ):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+    assert_trained_alike(single / "out", multi / "out")
 
     # Both processes restore the sharded state from Orbax: a rerun resumes at the last step.
     model_before = [np.asarray(x) for x in jax.tree.leaves(load_model(multi / "out/model"))]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from browser import CHROMIUM, NEEDS, Browser
-from conftest import env_with_venv, run
+from conftest import env_with_venv, free_port, run
 from flax import nnx
 from tokenizers import Tokenizer
 
@@ -33,9 +33,7 @@ class Server:
     """`stagelm serve <model> --port <free port>` in its own process, until `stop`."""
 
     def __init__(self, model: Path, log: Path, *flags: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.log = log
         cmd = ["stagelm", "serve", str(model), "--port", str(self.port), "--name", NAME, *flags]
         self.proc = subprocess.Popen(cmd, env=env_with_venv(), stdout=log.open("w"), stderr=subprocess.STDOUT)
