@@ -91,15 +91,15 @@ class ShardWriter:
     """Arrow IPC shards of `rows_per_shard` rows in `out_dir`, each written (and renamed into
     place) as soon as it fills; `finish` writes the last one and then manifest.json, so a
     killed run never leaves a manifest over partial shards. Memory: one shard of rows.
-    Shards are named `<prefix>NNNNN.arrow`; an old manifest is removed first."""
+    Shards are named `shard-NNNNN.arrow`; an old manifest is removed first."""
 
-    def __init__(self, out_dir: Path, row_len: int, rows_per_shard: int, vocab_size: int, prefix: str = "shard-"):
+    def __init__(self, out_dir: Path, row_len: int, rows_per_shard: int, vocab_size: int):
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "manifest.json").unlink(missing_ok=True)
-        for old in out_dir.glob(f"{prefix}*.arrow"):
+        for old in out_dir.glob("shard-*.arrow"):
             old.unlink()
         self.out_dir, self.row_len, self.rows_per_shard = out_dir, row_len, rows_per_shard
-        self.vocab_size, self.prefix = vocab_size, prefix
+        self.vocab_size = vocab_size
         self.pending: list[dict[str, np.ndarray]] = []
         self.pending_rows = self.rows = self.real = 0
         self.counts = np.zeros(0, np.int64)  # token frequencies of the non-pad tokens
@@ -126,7 +126,7 @@ class ShardWriter:
         rest = {k: v[n:] for k, v in joined.items()}
         self.pending, self.pending_rows = ([rest] if len(rest["tokens"]) else []), self.pending_rows - n
         table = encode_rows(part, self.vocab_size)
-        path = self.out_dir / f"{self.prefix}{len(self.shards) if number is None else number:05d}.arrow"
+        path = self.out_dir / f"shard-{len(self.shards) if number is None else number:05d}.arrow"
         tmp = path.with_suffix(".arrow.tmp")
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
