@@ -13,6 +13,9 @@ stagelm launch <stage command>
 stagelm serve <model dir> [--host 127.0.0.1] [--port 8000]
     an OpenAI-compatible server (chat and text completions, streamed or not) with a
     chat page at /, on the KV-cache engine (see stagelm.serve).
+stagelm params [--markdown] [--params params.yaml]
+    every key of params.yaml with its default and meaning; --markdown prints the
+    reference page docs/params.md is (stagelm.paramsdoc).
 stagelm deps stages/<stage>.py [-- flags]
     print the code deps and params of that stage as dvc.yaml should list them (the
     pipeline test checks dvc.yaml against the same computation); flags such as
@@ -188,6 +191,12 @@ def inspect(args: argparse.Namespace) -> None:
     print(inspect_run(Path(args.run_dir), root))
 
 
+def params(args: argparse.Namespace) -> None:
+    from stagelm import paramsdoc
+
+    print((paramsdoc.markdown if args.markdown else paramsdoc.plain)(args.params), end="")
+
+
 def deps(args: argparse.Namespace) -> None:
     from stagelm.deps import render
 
@@ -325,6 +334,10 @@ def main() -> None:
     ins.add_argument("run_dir")
     ins.add_argument("--pipeline", default="dvc.yaml")
     ins.set_defaults(func=inspect)
+    pr = sub.add_parser("params", help="list every params.yaml key with its default and meaning")
+    pr.add_argument("--markdown", action="store_true", help="print the reference page (docs/params.md)")
+    pr.add_argument("--params", default="params.yaml", help="the file whose values are shown as defaults")
+    pr.set_defaults(func=params)
     dp = sub.add_parser("deps", help="print a stage script's code deps and params as dvc.yaml lists them")
     dp.add_argument("script")
     dp.add_argument("flags", nargs="*", help="the stage's flags that change what it reads, e.g. --control")

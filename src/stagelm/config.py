@@ -45,9 +45,14 @@ def one_of(*choices: str) -> tuple:
     return (lambda v: v in choices, f"one of {', '.join(map(repr, choices))}")
 
 
-def checked(check: tuple, **kwargs: Any) -> Any:
-    """A dataclass field whose value must pass `check`."""
-    return dataclasses.field(metadata={"check": check}, **kwargs)
+def param(doc: str, check: tuple | None = None) -> Any:
+    """A params.yaml key: its one-line meaning, the one home of it (docs/params.md is
+    written from it by `stagelm params --markdown`), and the check its value must pass."""
+    return dataclasses.field(metadata={"doc": doc, "check": check})
+
+
+# The top-level `seed`, the one key no section holds.
+SEED_DOC = "training initialisation and sampling; the data has its own data.seed"
 
 
 # --- sections ------------------------------------------------------------------------
@@ -55,27 +60,35 @@ def checked(check: tuple, **kwargs: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str  # synthetic | files:<path or glob> | hf:<dataset id or local dataset dir>
-    seed: int = checked(SEED)  # the data's own seed, apart from the training seed
-    val_fraction: float = checked(FRACTION)
-    num_documents: int = checked(POSITIVE)  # synthetic corpus size
-    text_field: str  # column holding the text for files/hf sources
-    hf_revision: str | None  # pin of a hub dataset (branch, tag or commit)
-    hf_split: str
-    max_documents: int | None = checked(POSITIVE)  # cap on documents read from files/hf
-    sft_files: str | None  # jsonl with `messages`; default: the synthetic task families
-    rl_files: str | None  # jsonl with `family`, `prompt`, `spec`
-    eval_files: str | None  # jsonl with `family`, `prompt`, `chat_prompt`, `spec`
-    num_sft: int = checked(POSITIVE)  # synthetic SFT conversations
-    num_rl: int = checked(POSITIVE)  # synthetic RL prompts
-    num_eval: int = checked(POSITIVE)  # synthetic held-out prompts per task family
-    # The synthetic task families (stagelm.tasks) in the SFT, RL and eval sets and the corpus
-    # sheets; names are checked against the registry by the download stage and `stagelm check`.
-    families: list[str]
-    # The folder holding every local file the download reads (a `files:` corpus, a local
-    # `hf:` dataset, the task files): dvc.yaml lists it as the download stage's dependency,
-    # so an edited corpus reruns download and what follows.
-    inputs: str = checked((lambda v: bool(v.strip()), "a folder path"))
+    """The download stage's corpus and task sets: where they come from and how they split."""
+
+    source: str = param(
+        "the corpus: synthetic, files:<path, folder or glob under data.inputs>, or hf:<dataset id or local dir>"
+    )
+    seed: int = param("the data's own seed: synthetic generator, train/val split, tokenizer sample", SEED)
+    val_fraction: float = param("share of documents held out for validation", FRACTION)
+    num_documents: int = param("synthetic corpus size, in documents", POSITIVE)
+    text_field: str = param("the text column of jsonl, parquet and csv files and of hf datasets")
+    hf_revision: str | None = param(
+        "a hub dataset's commit, tag or branch (required for a hub id; null for a local dir)"
+    )
+    hf_split: str = param("the split of an hf dataset to read")
+    max_documents: int | None = param("cap on documents read from files or hf; null = all", POSITIVE)
+    sft_files: str | None = param("jsonl of chats (`messages`) under data.inputs; null = the synthetic task families")
+    rl_files: str | None = param("jsonl of RL prompts (`family`, `prompt`, `spec`) under data.inputs; null = synthetic")
+    eval_files: str | None = param(
+        "jsonl of eval prompts (`family`, `prompt`, `chat_prompt`, `spec`); null = synthetic"
+    )
+    num_sft: int = param("synthetic SFT conversations", POSITIVE)
+    num_rl: int = param("synthetic RL prompts", POSITIVE)
+    num_eval: int = param("synthetic held-out prompts per task family", POSITIVE)
+    # Names are checked against the registry (stagelm.tasks) by the download stage and `stagelm check`.
+    families: list[str] = param("synthetic task families (stagelm.tasks) of the corpus and the SFT, RL and eval sets")
+    # dvc.yaml lists it as the download stage's dependency, so an edited corpus reruns download and what follows.
+    inputs: str = param(
+        "the folder holding every local file the download reads (files:, a local hf:, *_files); DVC hashes it",
+        (lambda v: bool(v.strip()), "a folder path"),
+    )
 
     def local_inputs(self) -> list[tuple[str, str]]:
         """(key, path or glob) of every local file or folder the download stage reads."""
@@ -118,17 +131,24 @@ def inside(pattern: str, folder: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
-    vocab_size: int = checked(POSITIVE)
-    min_frequency: int = checked(POSITIVE)
-    # BPE trains on at most this many characters of the train split (a seeded uniform sample
-    # when the split is larger), so its time and memory do not grow with the corpus.
-    max_train_chars: int = checked(POSITIVE)
+    """The byte-level BPE tokenizer that the tokenizer stage trains on the train split."""
+
+    vocab_size: int = param("vocabulary size: the 256 bytes, the special tokens and the merges BPE learns", POSITIVE)
+    min_frequency: int = param("a pair merges only if it occurs at least this often", POSITIVE)
+    # A cap, so BPE's time and memory do not grow with the corpus.
+    max_train_chars: int = param(
+        "BPE trains on at most this many characters of the train split (a sample seeded by data.seed)", POSITIVE
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class PackConfig:
-    seq_len: int = checked((lambda v: v >= 2, "an {type} >= 2"))
-    rows_per_shard: int = checked(POSITIVE)
+    """How the pack stage cuts the tokenized documents into rows of Arrow shards."""
+
+    seq_len: int = param(
+        "model context in tokens; a packed row holds seq_len + 1", (lambda v: v >= 2, "an {type} >= 2")
+    )
+    rows_per_shard: int = param("rows per Arrow shard of data/packed", POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +156,11 @@ class ModelShape:
     """A decoder's sizes: the one home of these keys, shared by `model`, `distill.student`
     and `benchmark` (model.DecoderConfig adds the vocabulary and the rest at run time)."""
 
-    d_model: int = checked(POSITIVE)
-    n_layers: int = checked(POSITIVE)
-    n_heads: int = checked(POSITIVE)
-    n_kv_heads: int = checked(POSITIVE)
-    d_ff: int = checked(POSITIVE)
+    d_model: int = param("residual width", POSITIVE)
+    n_layers: int = param("decoder blocks", POSITIVE)
+    n_heads: int = param("attention heads; must divide d_model, with an even head size (RoPE)", POSITIVE)
+    n_kv_heads: int = param("key/value heads (grouped-query attention); must divide n_heads", POSITIVE)
+    d_ff: int = param("SwiGLU hidden width", POSITIVE)
 
     def validate(self, prefix: str) -> None:
         """Attention shape rules, naming the keys under `prefix` (e.g. distill.student)."""
@@ -159,16 +179,25 @@ class ModelShape:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(ModelShape):
-    rope_theta: float = checked(POSITIVE)
-    norm_eps: float = checked(POSITIVE)
-    tie_embeddings: bool
-    dtype: str = checked(one_of("float32", "bfloat16", "float16"))  # compute dtype
-    param_dtype: str = checked(one_of("float32", "bfloat16"))
-    remat: str = checked(one_of("none", "block"))
-    init_std: float = checked(POSITIVE)
-    # null: train from scratch with the fields above. hf:<local dir>: start from a transformers
-    # Llama checkpoint there (its architecture and tokenizer; dtype, param_dtype and remat still apply).
-    init_from: str | None = checked((lambda v: v.startswith("hf:") and len(v) > 3, "null or hf:<local dir>"))
+    """The decoder pretrain builds (Llama-style), or the checkpoint it starts from."""
+
+    rope_theta: float = param("RoPE base frequency", POSITIVE)
+    norm_eps: float = param("RMSNorm epsilon", POSITIVE)
+    tie_embeddings: bool = param("share the input embedding with the output projection")
+    dtype: str = param(
+        "compute dtype of activations and matmuls (bfloat16 on accelerators)", one_of("float32", "bfloat16", "float16")
+    )
+    param_dtype: str = param("dtype the parameters are stored and updated in", one_of("float32", "bfloat16"))
+    remat: str = param(
+        "block: recompute each block's activations in the backward pass (less memory, more compute)",
+        one_of("none", "block"),
+    )
+    init_std: float = param("standard deviation of the initial weights", POSITIVE)
+    # A checkpoint brings its architecture and tokenizer; dtype, param_dtype and remat still apply.
+    init_from: str | None = param(
+        "null = from scratch; hf:<local dir> = start from a transformers Llama checkpoint there",
+        (lambda v: v.startswith("hf:") and len(v) > 3, "null or hf:<local dir>"),
+    )
 
     def architecture(self) -> dict[str, Any]:
         """The DecoderConfig fields of this section (everything but init_from)."""
@@ -193,25 +222,25 @@ class OptimizerConfig:
 
     section: ClassVar[str]  # the params section, for the keys an error names
 
-    lr: float = checked(POSITIVE)
-    min_lr_ratio: float = checked(UNIT)  # final lr of cosine / wsd as a fraction of lr
-    schedule: str = checked(one_of("constant", "cosine", "wsd"))
-    warmup_steps: int = checked(NON_NEGATIVE)
-    decay_fraction: float = checked(UNIT)  # wsd: share of steps spent decaying
-    weight_decay: float = checked(NON_NEGATIVE)
-    decay_embeddings: bool  # apply weight decay to embeddings too (never to norms)
-    beta1: float = checked(UNIT)
-    beta2: float = checked(UNIT)
-    eps: float = checked(POSITIVE)  # Adam's epsilon
-    grad_clip: float = checked(NON_NEGATIVE)  # global-norm clip; 0 turns it off
-    steps: int = checked(POSITIVE)
-    eval_every: int = checked(POSITIVE)
-    eval_batches: int = checked(POSITIVE)
+    lr: float = param("AdamW's peak learning rate", POSITIVE)
+    min_lr_ratio: float = param("final learning rate of cosine and wsd, as a fraction of lr", UNIT)
+    schedule: str = param("learning-rate schedule after the warmup", one_of("constant", "cosine", "wsd"))
+    warmup_steps: int = param("linear warmup steps; must be below steps", NON_NEGATIVE)
+    decay_fraction: float = param("wsd only: share of the steps spent decaying", UNIT)
+    weight_decay: float = param("AdamW's decoupled weight decay (never on norms)", NON_NEGATIVE)
+    decay_embeddings: bool = param("apply weight decay to the embeddings too")
+    beta1: float = param("Adam's first-moment decay", UNIT)
+    beta2: float = param("Adam's second-moment decay", UNIT)
+    eps: float = param("Adam's epsilon", POSITIVE)
+    grad_clip: float = param("global-norm gradient clip; 0 = off", NON_NEGATIVE)
+    steps: int = param("optimizer steps", POSITIVE)
+    eval_every: int = param("steps between val-loss evaluations", POSITIVE)
+    eval_batches: int = param("val batches per evaluation", POSITIVE)
     # Execution settings: read by the stage, but no DVC param and not in the resume
     # fingerprint, since they do not change what is learned.
-    log_every: int = checked(POSITIVE)
-    checkpoint_every: int = checked(POSITIVE)
-    keep_checkpoints: int = checked(POSITIVE)
+    log_every: int = param("steps between logged train metrics", POSITIVE)
+    checkpoint_every: int = param("steps between Orbax checkpoints", POSITIVE)
+    keep_checkpoints: int = param("checkpoints kept for resume", POSITIVE)
 
     def validate(self, prefix: str) -> None:
         if self.warmup_steps >= self.steps:
@@ -224,22 +253,26 @@ class TrainingConfig(OptimizerConfig):
 
     section: ClassVar[str] = "training"
 
-    batch_size: int = checked(POSITIVE)  # global rows per microbatch
-    grad_accum: int = checked(POSITIVE)
+    batch_size: int = param("global rows per microbatch", POSITIVE)
+    grad_accum: int = param("microbatches accumulated per optimizer step", POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = checked(MESH_AXIS)
-    fsdp: int = checked(MESH_AXIS)
-    tensor: int = checked(MESH_AXIS)
+    """The device mesh's axis sizes; their product is the device count."""
+
+    data: int = param("data-parallel axis size; -1 = the devices left over", MESH_AXIS)
+    fsdp: int = param("fully-sharded data-parallel axis size: parameters and optimizer state split along it", MESH_AXIS)
+    tensor: int = param("tensor-parallel axis size", MESH_AXIS)
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    # A prefix for the training stages' commands ("" = run them as one local process),
-    # e.g. "srun --nodes=2 --ntasks-per-node=4": see stagelm.distributed.
-    command: str
+    """How the pack and training stages start: one local process, or behind a cluster launcher."""
+
+    command: str = param(
+        'prefix the pack and training stages start behind, e.g. srun --ntasks-per-node=4; "" = one local process'
+    )
 
     def validate(self, prefix: str) -> None:
         try:
@@ -250,14 +283,18 @@ class LaunchConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    batch_size: int = checked(POSITIVE)  # val rows per batch
-    max_batches: int | None = checked(POSITIVE)  # null = the whole val split
-    task_batch_size: int = checked(POSITIVE)  # prompts generated together
-    max_examples: int | None = checked(POSITIVE)  # per task family; null = the whole eval set
-    max_new_tokens: int = checked(POSITIVE)
-    sample_temperature: float = checked(NON_NEGATIVE)  # chat answered once more, sampled; 0 = not
-    pass_k: int = checked(NON_NEGATIVE)  # chat samples per prompt at sample_temperature for pass@k; 0 = not
-    pass_k_prompts: int | None = checked(POSITIVE)  # the first this many prompts per family; null = all
+    """What the eval stage measures on each model: val loss, and answers to the held-out prompts."""
+
+    batch_size: int = param("val rows per batch of the loss", POSITIVE)
+    max_batches: int | None = param("val batches for the loss; null = the whole val split", POSITIVE)
+    task_batch_size: int = param("eval prompts generated together", POSITIVE)
+    max_examples: int | None = param("eval prompts per task family; null = the whole eval set", POSITIVE)
+    max_new_tokens: int = param("longest generated answer, in tokens", POSITIVE)
+    sample_temperature: float = param(
+        "chat prompts answered once more, sampled at this temperature; 0 = skip", NON_NEGATIVE
+    )
+    pass_k: int = param("sampled chat answers per prompt for pass@1 and pass@k; 0 = skip", NON_NEGATIVE)
+    pass_k_prompts: int | None = param("prompts per family for pass@k, the first of the eval set; null = all", POSITIVE)
 
     def validate(self, prefix: str) -> None:
         if self.pass_k and not self.sample_temperature:
@@ -268,11 +305,16 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SampleConfig:
-    prompts: list[str]
-    max_new_tokens: int = checked(POSITIVE)
-    temperature: float = checked(NON_NEGATIVE)  # 0 = greedy
-    top_k: int = checked(NON_NEGATIVE)  # 0 = off
-    top_p: float = checked((lambda v: 0 < v <= 1, "a {type} in (0, 1]"))
+    """The sample stage's prompts and sampling settings."""
+
+    prompts: list[str] = param("prompts the sample stage completes, one sample each")
+    max_new_tokens: int = param("tokens generated per prompt", POSITIVE)
+    temperature: float = param("sampling temperature; 0 = greedy", NON_NEGATIVE)
+    top_k: int = param("sample among the k likeliest tokens; 0 = off", NON_NEGATIVE)
+    top_p: float = param(
+        "nucleus sampling: the smallest set of tokens holding this much probability",
+        (lambda v: 0 < v <= 1, "a {type} in (0, 1]"),
+    )
 
     def validate(self, prefix: str) -> None:
         if not self.prompts or any(not p for p in self.prompts):
@@ -286,71 +328,99 @@ PROJECTIONS = ("q", "kv", "o", "gate_up", "down")
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    rank: int = checked(POSITIVE)
-    alpha: float = checked(POSITIVE)  # the adapter's output is scaled by alpha / rank (Hu et al., 2021)
-    dropout: float = checked((lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
-    targets: list[str] = checked(
-        (lambda v: bool(v) and set(v) <= set(PROJECTIONS), f"a non-empty list drawn from {list(PROJECTIONS)}")
+    """LoRA adapters (Hu et al., 2021) on the decoder's projections."""
+
+    rank: int = param("rank of the LoRA adapters", POSITIVE)
+    alpha: float = param(
+        "adapters' output is scaled by alpha / rank", POSITIVE
+    )  # the adapter's output is scaled by alpha / rank (Hu et al., 2021)
+    dropout: float = param("dropout on the adapters' input", (lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
+    targets: list[str] = param(
+        "projections that get adapters",
+        (lambda v: bool(v) and set(v) <= set(PROJECTIONS), f"a non-empty list drawn from {list(PROJECTIONS)}"),
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class SftConfig(TrainingConfig):
+    """Supervised fine-tuning of the pretrained model on the SFT conversations, full or LoRA."""
+
     section: ClassVar[str] = "sft"
 
-    method: str = checked(one_of("full", "lora"))
-    # Share of the training rows drawn from the pretraining corpus (replay), so tuning for
-    # chat costs the language model less; 0 = the SFT conversations alone.
-    replay: float = checked((lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
-    lora: LoraConfig
+    method: str = param(
+        "full: every weight trains; lora: only adapters train, and the saved model is merged", one_of("full", "lora")
+    )
+    # Replay, so tuning for chat costs the language model less.
+    replay: float = param(
+        "share of the rows drawn from the pretraining corpus; 0 = the SFT conversations alone",
+        (lambda v: 0 <= v < 1, "a {type} in [0, 1)"),
+    )
+    lora: LoraConfig = param("the adapters of method lora (the keys below)")
 
 
 @dataclasses.dataclass(frozen=True)
 class StudentConfig(ModelShape):
     """The distilled student's shape; everything else (RoPE, norms, dtypes) is the teacher's."""
 
-    vocab_size: int | None = checked(POSITIVE)  # null = the teacher's; any other value is refused
+    vocab_size: int | None = param("null = the teacher's vocabulary (any other value is refused)", POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig(TrainingConfig):
+    """Distillation of the SFT model (the teacher) into a smaller student."""
+
     section: ClassVar[str] = "distill"
 
-    alpha: float = checked(UNIT)  # weight of the soft (KL) term; 1 - alpha goes to the hard CE
-    temperature: float = checked(POSITIVE)
-    data: str = checked(one_of("corpus", "sft", "both"))
-    # scratch: the student starts from random weights (seed); teacher: from the teacher's own
-    # weights, pruned to the student's shape (distill.student_from_teacher)
-    init: str = checked(one_of("scratch", "teacher"))
-    # share of the steps that train on the student's own sampled answers to SFT prompts, toward
-    # the teacher's per-token distribution (on-policy distillation, stagelm.distill); 0 = none
-    on_policy: float = checked(UNIT)
-    student: StudentConfig
+    alpha: float = param("weight of the soft term alpha·T²·KL(teacher‖student); 1 - alpha goes to the hard CE", UNIT)
+    temperature: float = param("temperature T of both distributions in the soft term", POSITIVE)
+    data: str = param(
+        "what the student trains on: the packed corpus, the SFT conversations, or both", one_of("corpus", "sft", "both")
+    )
+    # teacher: distill.student_from_teacher
+    init: str = param(
+        "scratch: random weights (seed); teacher: the teacher pruned to the student's shape",
+        one_of("scratch", "teacher"),
+    )
+    on_policy: float = param("share of steps on the student's own answers to SFT prompts, scored by the teacher", UNIT)
+    student: StudentConfig = param("the student's shape; RoPE, norms, dtypes and tokenizer are the teacher's")
 
 
 @dataclasses.dataclass(frozen=True)
 class GrpoConfig(OptimizerConfig):
+    """GRPO on the SFT model: sampled answers to RL prompts, rewarded by each task family's checker."""
+
     section: ClassVar[str] = "grpo"
     grad_accum: ClassVar[int] = 1  # one update on every sample of a rollout
 
-    families: list[str]  # the rl task families rewarded (and so targeted)
-    prompts_per_step: int = checked(POSITIVE)
-    group_size: int = checked((lambda v: v >= 2, "an {type} >= 2 (advantages compare samples of one prompt)"))
-    temperature: float = checked(POSITIVE)
-    top_p: float = checked((lambda v: 0 < v <= 1, "a {type} in (0, 1]"))
-    max_new_tokens: int = checked(POSITIVE)
-    format_weight: float = checked(NON_NEGATIVE)  # reward for a well-formed answer, added to correctness
-    clip_eps: float = checked(FRACTION)
-    clip_eps_high: float | None = checked(POSITIVE)  # the upper clip, 1 + this (DAPO); null = clip_eps
-    advantages: str = checked(one_of("group", "none"))  # group: (r − mean) / std in the group; none: r − mean
-    dynamic_sampling: bool  # drop groups whose samples all scored alike and draw more prompts (DAPO)
-    max_draws: int = checked(POSITIVE)  # dynamic sampling: prompt batches drawn per rollout at most
-    kl_coef: float = checked(NON_NEGATIVE)
-    anchor_coef: float = checked(NON_NEGATIVE)  # weight of the KL to the reference on SFT rows (0: none)
-    anchor_rows: int = checked(POSITIVE)  # SFT rows per update for that term
-    updates_per_rollout: int = checked(POSITIVE)  # steps (optimizer steps) / updates_per_rollout rollouts
-    method: str = checked(one_of("full", "lora"))  # lora: only adapters train; the saved model is merged
-    lora: LoraConfig
+    families: list[str] = param("RL task families rewarded, and so targeted")
+    prompts_per_step: int = param(
+        "prompts per rollout; an update trains on prompts_per_step × group_size samples", POSITIVE
+    )
+    group_size: int = param(
+        "samples per prompt, compared with each other",
+        (lambda v: v >= 2, "an {type} >= 2 (advantages compare samples of one prompt)"),
+    )
+    temperature: float = param("rollout sampling temperature", POSITIVE)
+    top_p: float = param("rollout nucleus sampling", (lambda v: 0 < v <= 1, "a {type} in (0, 1]"))
+    max_new_tokens: int = param("longest sampled answer, in tokens", POSITIVE)
+    format_weight: float = param("reward added for a well-formed answer, beside correctness", NON_NEGATIVE)
+    clip_eps: float = param("the policy ratio is clipped below at 1 - clip_eps", FRACTION)
+    clip_eps_high: float | None = param("the ratio's upper clip is 1 + this (DAPO: 0.28); null = clip_eps", POSITIVE)
+    advantages: str = param(
+        "group: (reward - group mean) / group std (GRPO); none: reward - group mean (Dr. GRPO)", one_of("group", "none")
+    )
+    dynamic_sampling: bool = param("drop groups whose samples all scored alike and draw more prompts (DAPO)")
+    max_draws: int = param("dynamic sampling: prompt batches drawn per rollout at most", POSITIVE)
+    kl_coef: float = param("weight of the k3 KL to the reference on the rollouts' tokens; 0 = off", NON_NEGATIVE)
+    anchor_coef: float = param(
+        "weight of the k3 KL to the reference on SFT answers of the unrewarded families; 0 = off", NON_NEGATIVE
+    )  # weight of the KL to the reference on SFT rows (0: none)
+    anchor_rows: int = param("SFT conversations per update for the anchor term", POSITIVE)
+    updates_per_rollout: int = param("optimizer steps per rollout; rollouts = steps / updates_per_rollout", POSITIVE)
+    method: str = param(
+        "full: every weight trains; lora: only adapters train, and the saved model is merged", one_of("full", "lora")
+    )
+    lora: LoraConfig = param("the adapters of method lora (the keys below)")
 
     @property
     def batch_size(self) -> int:
@@ -373,19 +443,24 @@ class GrpoConfig(OptimizerConfig):
 class BenchmarkConfig(ModelShape):
     """The shape the benchmark stage times (random weights and tokens) and how often."""
 
-    vocab_size: int = checked(POSITIVE)
-    seq_len: int = checked(POSITIVE)
-    batch_size: int = checked(POSITIVE)
-    dtype: str = checked(one_of("float32", "bfloat16", "float16"))
-    prompt_len: int = checked(POSITIVE)  # decode: prompt tokens per row
-    new_tokens: int = checked(POSITIVE)  # decode: tokens generated per row
-    matmul_size: int = checked(POSITIVE)  # the (n, n) @ (n, n) matmul whose FLOP/s is the practical peak
-    warmup: int = checked(NON_NEGATIVE)
-    repetitions: int = checked((lambda v: v >= 10, "an {type} >= 10 (min / median / max need samples)"))
+    vocab_size: int = param("vocabulary of the timed model (random weights and tokens)", POSITIVE)
+    seq_len: int = param("tokens per row of the timed train step", POSITIVE)
+    batch_size: int = param("rows per timed train step", POSITIVE)
+    dtype: str = param("compute dtype of the timed model", one_of("float32", "bfloat16", "float16"))
+    prompt_len: int = param("decode: prompt tokens per row", POSITIVE)
+    new_tokens: int = param("decode: tokens generated per row", POSITIVE)
+    matmul_size: int = param(
+        "n of the (n, n) @ (n, n) fp32 matmul whose FLOP/s is the machine's practical peak", POSITIVE
+    )
+    warmup: int = param("untimed calls before the timed ones", NON_NEGATIVE)
+    repetitions: int = param(
+        "timed calls of each measure (min, median, max)",
+        (lambda v: v >= 10, "an {type} >= 10 (min / median / max need samples)"),
+    )
     # Naive decoding (the whole prefix recomputed per token) runs 16-25x slower than cached, so
     # at batch 8 its ten repetitions were most of the stage; a few give its median to well
     # within the speedup the claims check (>= 5x).
-    naive_repetitions: int = checked(POSITIVE)
+    naive_repetitions: int = param("timed calls of naive full-prefix decoding, the KV cache's reference", POSITIVE)
 
 
 SECTIONS: dict[str, type] = {
@@ -411,7 +486,8 @@ def section_keys(name: str) -> list[str]:
 
 
 # Keys that tune how a stage runs, not what it computes: never DVC params, never hashed
-# into a resume fingerprint.
+# into a resume fingerprint. Whole sections of them first.
+EXECUTION_SECTIONS = ("mesh", "launch")
 EXECUTION_KEYS = {
     f"{section}.{key}"
     for section in ("training", "sft", "distill", "grpo")
@@ -477,7 +553,7 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
 def load_section(params: dict[str, Any], name: str) -> Any:
     """The typed, validated dataclass of section `name` of `params`."""
     if name not in params:
-        raise StagelmError(f"{name}: section missing from params.yaml; add it (see README)")
+        raise StagelmError(f"{name}: section missing from params.yaml; add it (docs/params.md lists every key)")
     return parse_dataclass(SECTIONS[name], params[name], name)
 
 
@@ -485,7 +561,7 @@ def load_value(params: dict[str, Any], key: str) -> Any:
     """One validated value, `section.field`, for a stage that reads only that key of a section."""
     section, name = key.split(".")
     if section not in params or not isinstance(params[section], dict) or name not in params[section]:
-        raise StagelmError(f"{key}: missing from params.yaml; add it (see README)")
+        raise StagelmError(f"{key}: missing from params.yaml; add it (docs/params.md lists every key)")
     field = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
     hint = typing.get_type_hints(SECTIONS[section])[name]
     return check_value(params[section][name], hint, key, field.metadata.get("check"))

@@ -15,10 +15,8 @@ pipeline test compares dvc.yaml against the same computation:
 import ast
 from pathlib import Path
 
-from stagelm.config import EXECUTION_KEYS, SECTIONS, section_keys
+from stagelm.config import EXECUTION_KEYS, EXECUTION_SECTIONS, SECTIONS, section_keys
 from stagelm.errors import StagelmError
-
-EXECUTION_SECTIONS = ("mesh", "launch")  # how a stage runs, never what it computes
 
 
 def stagelm_imports(path: Path, src: Path) -> set[str]:

@@ -190,7 +190,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal:
 
 
 def matmul(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
-    """x (..., *w.shape[:in_dims]) @ w as one 2-D matmul (the layout XLA:CPU runs fastest)."""
+    """`x (..., *w.shape[:in_dims]) @ w` as one 2-D matmul (the layout XLA:CPU runs fastest)."""
     lead = x.shape[: x.ndim - in_dims]
     k = math.prod(w.shape[:in_dims])
     y = x.reshape(-1, k) @ w.reshape(k, -1).astype(x.dtype)

@@ -8,7 +8,7 @@ Special tokens take the first ids of a trained tokenizer, in this order: pad 0, 
 eos 2, then the chat roles and the end-of-turn marker. A tokenizer adopted from a
 transformers checkpoint (`model.init_from`) keeps its own ids and gets whichever of
 these it lacks appended as added special tokens; code looks them up by name. The chat
-template is
+template is::
 
     <|user|>{user text}<|end|><|assistant|>{assistant text}<|end|>
 
@@ -25,7 +25,7 @@ and BPE's trainer in pieces of TRAIN_PIECE_CHARS (`pieces`), each cut before whi
 where it has some: one encoding holds ~60 bytes a token, and BPE's training time grows
 with a word's length times the merges (0.5 MB of text without a space: 83 s; the same
 2 MB in 1,024-character pieces: 2 s). The pieces stay one document: pack joins their
-ids and ends the whole with one <|eos|>.
+ids and ends the whole with one `<|eos|>`.
 """
 
 import hashlib
@@ -180,7 +180,7 @@ def encode_joined(tok: Tokenizer, texts: Sequence[str], end: int) -> tuple[np.nd
 
 
 def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of a conversation; the mask is 1 on assistant text and its <|end|>."""
+    """(token ids, loss mask) of a conversation; the mask is 1 on assistant text and its `<|end|>`."""
     ids: list[int] = []
     mask: list[int] = []
     role_ids = {"user": special_id(tok, USER), "assistant": special_id(tok, ASSISTANT)}

@@ -8,7 +8,7 @@ The answer works column by column, as a child is taught, and then states the res
 (the ones column, then the tens with the carry or the borrow, then the result). Each
 step is a one-digit fact and the result is read off the two steps, where the plain
 `23 plus 58 is 81.` asks the model to find the carry without writing it (Lee et al.
-2023, "Teaching Arithmetic to Small Transformers", on scratchpad formats; the README
+2023, "Teaching Arithmetic to Small Transformers", on scratchpad formats; docs/tasks.md
 has what each format reached here). Completion format: `Work out 23 plus 58:` → ` 3 plus 8 is 11, …, so 81.`;
 chat: user `What is 23 plus 58?` → the same working. The checker reads the number
 that ends the first sentence, so a bare `81.` passes too. The corpus carries sheets of

@@ -9,7 +9,7 @@ column before; a column that must borrow from the next writes its top digit plus
 At least one number has three digits, so no problem is also an arithmetic one (whose
 working has two columns). It is not in the default set (`data.families`): the
 default model does not learn it, and learning it beside arithmetic costs arithmetic
-(the README, "Task families", has the measurements); it is for a larger model or an
+(docs/tasks.md has the measurements); it is for a larger model or an
 imported checkpoint. The checker reads the number that ends the first sentence, as
 arithmetic's.
 
