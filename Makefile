@@ -10,7 +10,7 @@ ifeq ($(findstring glibc.malloc.hugetlb,$(GLIBC_TUNABLES)),)
 export GLIBC_TUNABLES := $(if $(GLIBC_TUNABLES),$(GLIBC_TUNABLES):)glibc.malloc.hugetlb=1
 endif
 
-.PHONY: setup repro test lint check clean-venv
+.PHONY: setup repro test docs lint check clean-venv
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ repro: setup
 # worker, so a module's session fixtures (the DVC tests' built micro project) are built once.
 test: setup
 	pytest -q -n 2 --dist loadfile --durations=15
+
+# The docs as HTML: warnings are errors, and so is a reference that does not resolve (-n),
+# so a broken link, a bad anchor or a page outside the toctree fails the build.
+docs: setup
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	sphinx-build -W --keep-going -n -q docs docs/_build/html
 
 lint: setup
 	ruff check . && ruff format --check .

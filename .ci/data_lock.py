@@ -4,7 +4,7 @@ params, download, tokenizer and pack are deterministic, so on a clean clone thei
 entries (deps, params and the md5 of every output other stages read) must come out
 as committed; only their provenance files (times, commit) may differ. A change to
 their code, params or libraries must therefore commit the dvc.lock it produces, and a
-library release cannot move the bytes unnoticed (README, "What is reproducible").
+library release cannot move the bytes unnoticed (docs/reproducibility.md).
 """
 
 import subprocess

@@ -11,8 +11,8 @@ pass per document, two kinds of tokens a model can only predict well by looking 
   story has already written).
 
 Chance is ln(1/24) = -3.18 for a name and ln(1/48) = -3.87 for a training-pool word; a
-model that copies puts most of the mass there (p > 0.5). README, "The default recipe,
-and why", has what the default run and the tried corpus changes give.
+model that copies puts most of the mass there (p > 0.5). docs/default-run.md ("The default recipe,
+and why") has what the default run and the tried corpus changes give.
 """
 
 import argparse

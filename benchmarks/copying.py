@@ -8,7 +8,7 @@ only of random token spans each written twice, and prints every 25 steps the los
 the second copies: it starts at ln(vocab) and falls towards 0 once attention has
 learned to look the next token up in the first copy (an induction head). The default
 pipeline's corpus mixes such copying into stories and sheets far more thinly; there,
-400 steps did not form it (README, "The default recipe, and why").
+400 steps did not form it (docs/default-run.md, "The default recipe, and why").
 """
 
 import argparse
