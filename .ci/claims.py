@@ -8,6 +8,7 @@ were made with; any failure prints the claim and exits 1.
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -242,9 +243,22 @@ def model_params(model_dir: str) -> int:
         return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (no __iter__)
 
 
+def locked_md5(lock: dict, path: str) -> str | None:
+    """The md5 a dvc.lock records for the output at `path`, or None when no stage writes it."""
+    for entry in lock["stages"].values():
+        for out in entry.get("outs", []):
+            if out["path"] == path:
+                return out.get("md5")
+    return None
+
+
 def readme_claims() -> None:
     """README's table of the default run ("What the default run gives") against the metric
-    files: each figure as printed, to its three decimals."""
+    files: each figure as printed, to its three decimals. The table is one run on one CPU
+    kind: a row is checked where this run's eval metrics are byte-identical to the ones the
+    committed dvc.lock records (the same kind of CPU and the same libraries); elsewhere
+    XLA's kernels round differently, training drifts apart, and the row is printed beside
+    this machine's figures instead (docs/reproducibility.md)."""
     text = Path("README.md").read_text().split("## What the default run gives")[1].split("\n## ")[0]
     rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     header = [cell.strip() for cell in rows[0]]
@@ -252,10 +266,15 @@ def readme_claims() -> None:
         header == ["model", "params", "val loss (nats)", "greedy", "sampled", "pass@8"],
         f"README: the default run's table has the columns this check reads ({header})",
     )
+    committed = yaml.safe_load(
+        subprocess.run(["git", "show", "HEAD:dvc.lock"], capture_output=True, text=True, check=True).stdout
+    )
+    reproduced = yaml.safe_load(Path("dvc.lock").read_text())
     for cells in rows[1:]:
         name, params, loss, greedy, sampled, pass8 = (c.strip() for c in cells)
         stage = name.split(" ")[0]
-        m = load(f"runs/eval/{stage}/metrics.json")
+        path = f"runs/eval/{stage}/metrics.json"
+        m = load(path)
         count = model_params(f"runs/{stage}/model")
         kind = "completion" if stage == "pretrain" else "chat"
         printed = [
@@ -265,10 +284,17 @@ def readme_claims() -> None:
             "" if stage == "pretrain" else f"{m['chat_sampled']['arithmetic']['accuracy']:.3f}",
             "" if stage == "pretrain" else f"{m['chat_pass_k']['arithmetic']['pass_at_8']:.3f}",
         ]
-        claim(
-            [params, loss, greedy, sampled, pass8] == printed,
-            f"README: the default run's row for {stage} is what its files hold ({printed})",
-        )
+        if locked_md5(reproduced, path) == locked_md5(committed, path):
+            claim(
+                [params, loss, greedy, sampled, pass8] == printed,
+                f"README: the default run's row for {stage} is what its files hold ({printed})",
+            )
+        else:
+            print(
+                f"info  README: the default run's row for {stage} is not checked here: {path} differs from the "
+                f"committed dvc.lock's (another CPU kind or library); README {[params, loss, greedy, sampled, pass8]}, "
+                f"this run {printed}"
+            )
 
 
 def main() -> None:
