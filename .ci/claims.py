@@ -8,12 +8,12 @@ were made with; any failure prints the claim and exits 1.
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import yaml
+from data_lock import locks  # .ci/, this script's folder
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
@@ -243,9 +243,9 @@ def model_params(model_dir: str) -> int:
         return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (no __iter__)
 
 
-def locked_md5(lock: dict, path: str) -> str | None:
-    """The md5 a dvc.lock records for the output at `path`, or None when no stage writes it."""
-    for entry in lock["stages"].values():
+def locked_md5(stages: dict, path: str) -> str | None:
+    """The md5 dvc.lock's stages record for the output at `path`, or None when no stage writes it."""
+    for entry in stages.values():
         for out in entry.get("outs", []):
             if out["path"] == path:
                 return out.get("md5")
@@ -266,10 +266,7 @@ def readme_claims() -> None:
         header == ["model", "params", "val loss (nats)", "greedy", "sampled", "pass@8"],
         f"README: the default run's table has the columns this check reads ({header})",
     )
-    committed = yaml.safe_load(
-        subprocess.run(["git", "show", "HEAD:dvc.lock"], capture_output=True, text=True, check=True).stdout
-    )
-    reproduced = yaml.safe_load(Path("dvc.lock").read_text())
+    committed, reproduced = locks()
     for cells in rows[1:]:
         name, params, loss, greedy, sampled, pass8 = (c.strip() for c in cells)
         stage = name.split(" ")[0]

@@ -36,12 +36,18 @@ def differences(before: list | dict | str | None, after: list | dict | str | Non
     return f"committed {before!r}, reproduced {after!r}"
 
 
-def main() -> None:
+def locks() -> tuple[dict, dict]:
+    """The stages of dvc.lock as committed at HEAD, and as the workspace holds it now."""
     committed = yaml.safe_load(
         subprocess.run(["git", "show", "HEAD:dvc.lock"], capture_output=True, text=True, check=True).stdout
     )["stages"]
     with open("dvc.lock") as f:
         reproduced = yaml.safe_load(f)["stages"]
+    return committed, reproduced
+
+
+def main() -> None:
+    committed, reproduced = locks()
     failed = False
     for name in STAGES:
         before, after = stable(committed.get(name, {})), stable(reproduced.get(name, {}))
