@@ -1,17 +1,26 @@
 """Sweep params with the lab's own experiments: queue a grid over seeds, then tabulate it.
 
     python benchmarks/sweep.py queue grpo.lr=5e-5,1e-4 grpo.advantages=group,none --seeds 0 1 2
+    python benchmarks/sweep.py queue grpo.prompts_per_step=32,64 --samples 20480   # GRPO at equal samples
     dvc queue start --jobs 1        # or: dvc exp run --run-all
     python benchmarks/sweep.py table grpo.lr grpo.advantages > sweep.md   # --rev <commit>: its experiments only
 
 `queue` adds one `dvc exp run --queue` per point of the grid and seed, each with its `-S`
-settings (every value as DVC writes it into params.yaml, so `5e-5` is a float). `table`
-reads `dvc exp show --csv` and prints a Markdown table with one row per point of the
+settings (every value as DVC writes it into params.yaml, so `5e-5` is a float). With
+`--samples N` each point's GRPO run is sized in samples, completions generated, rather than
+steps: `grpo.steps` (and its `eval_every` and `checkpoint_every`) become N over the samples
+one rollout draws (`prompts_per_step × group_size`, read from the point's settings or
+params.yaml) times `updates_per_rollout`, so variants with larger rollouts take fewer
+steps. A rollout with dynamic sampling can draw more than one batch of prompts: the table's
+`samples` column is what each run generated (runs/grpo/metrics.json).
+
+`table` reads `dvc exp show --csv` and prints a Markdown table with one row per point of the
 grid: the mean over its seeds of each metric (and the spread, max − min, when there are
 several) and how many seeds finished, below the rows of the commits the experiments
-started from (the checked-out commit's defaults, for reference). The default metrics are GRPO's on
-arithmetic (greedy, sampled, pass@8), its corpus val loss and its reward; `--metric file:key` picks
-others.
+started from (the checked-out commit's defaults, for reference). The default metrics are GRPO's
+samples, its arithmetic on held-out prompts (greedy, sampled, pass@8), its corpus val loss and
+its rollouts' binary accuracy (first and last ten) and entropy (last ten); `--metric file:key`
+picks others.
 """
 
 import argparse
@@ -22,19 +31,40 @@ import statistics
 import subprocess
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+import yaml
 
 GRPO = "runs/eval/grpo/metrics.json"
 DEFAULT_METRICS = [
+    "runs/grpo/metrics.json:samples",
     f"{GRPO}:chat.arithmetic.accuracy",
     f"{GRPO}:chat_sampled.arithmetic.accuracy",
     f"{GRPO}:chat_pass_k.arithmetic.pass_at_8",
     f"{GRPO}:val_loss",
-    "runs/grpo/metrics.json:reward_first10",
-    "runs/grpo/metrics.json:reward_last10",
+    "runs/grpo/metrics.json:accuracy_first10",
+    "runs/grpo/metrics.json:accuracy_last10",
+    "runs/grpo/metrics.json:entropy_last10",
 ]
 
 
-def queue(settings: list[str], seeds: list[int], prefix: str) -> None:
+def grpo_setting(point: tuple[str, ...], key: str) -> int:
+    """An int `grpo.<key>` of a grid point: its own setting, else params.yaml's."""
+    for setting in point:
+        name, _, value = setting.partition("=")
+        if name == f"grpo.{key}":
+            return int(value)
+    return int(yaml.safe_load(Path("params.yaml").read_text())["grpo"][key])
+
+
+def sized_in_samples(point: tuple[str, ...], samples: int) -> list[str]:
+    """`-S` settings that give a GRPO run `samples` completions, one prompt batch per rollout."""
+    per_rollout = grpo_setting(point, "prompts_per_step") * grpo_setting(point, "group_size")
+    steps = max(1, round(samples / per_rollout)) * grpo_setting(point, "updates_per_rollout")
+    return [f"grpo.{key}={steps}" for key in ("steps", "eval_every", "checkpoint_every")]
+
+
+def queue(settings: list[str], seeds: list[int], prefix: str, samples: int | None = None) -> None:
     grid = []
     for setting in settings:
         key, sep, values = setting.partition("=")
@@ -43,12 +73,13 @@ def queue(settings: list[str], seeds: list[int], prefix: str) -> None:
         grid.append([f"{key}={v}" for v in values.split(",")])
     varying = [i for i, values in enumerate(grid) if len(values) > 1]  # what tells the points apart
     for point in itertools.product(*grid):
+        sized = sized_in_samples(point, samples) if samples else []
         for seed in seeds:
             parts = [point[i].partition("=") for i in varying]
             name = "-".join([prefix] + [f"{k.rpartition('.')[2]}{v}" for k, _, v in parts] + [f"s{seed}"])
             name = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
             cmd = ["dvc", "exp", "run", "--queue", "--name", name, "-S", f"seed={seed}"]
-            cmd += [arg for p in point for arg in ("-S", p)]
+            cmd += [arg for p in (*point, *sized) for arg in ("-S", p)]
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
 
@@ -121,13 +152,14 @@ def main() -> None:
     q.add_argument("settings", nargs="+", help="key=value[,value...]")
     q.add_argument("--seeds", nargs="+", type=int, default=[0])
     q.add_argument("--prefix", default="sweep", help="experiment names start with it")
+    q.add_argument("--samples", type=int, help="size each GRPO run in completions generated, not steps")
     t = sub.add_parser("table", help="a Markdown table of the finished experiments, averaged over seeds")
     t.add_argument("params", nargs="+", help="the params that tell the points of the grid apart")
     t.add_argument("--metric", action="append", help="file:key columns (default: GRPO's on arithmetic)")
     t.add_argument("--rev", help="only the experiments started from this commit (default: from every commit)")
     args = parser.parse_args()
     if args.command == "queue":
-        queue(args.settings, args.seeds, args.prefix)
+        queue(args.settings, args.seeds, args.prefix, args.samples)
     else:
         print(table(args.params, args.metric or DEFAULT_METRICS, args.rev))
 

@@ -49,7 +49,7 @@ from stagelm.tokenizer import load_tokenizer
 from stagelm.trainloop import PackedBatches, record_training, start_training, train
 
 # The keys the control run does not read, for `stagelm deps` and dvc.yaml.
-UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature", "distill.on_policy"]}
+UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature", "distill.kl", "distill.on_policy"]}
 
 
 def main() -> None:
@@ -63,7 +63,7 @@ def main() -> None:
     cfg = load_section(stage.params, "distill")
     if args.control:  # keys it does not read leave its fingerprint (and DVC's params) alone
         stage.name = "distill_control"
-        cfg = dataclasses.replace(cfg, alpha=0.0, temperature=1.0, on_policy=0.0)
+        cfg = dataclasses.replace(cfg, alpha=0.0, temperature=1.0, kl="forward", on_policy=0.0)
     if cfg.on_policy > 0 and args.raw is None:
         raise StagelmError(f"distill.on_policy: {cfg.on_policy} samples SFT prompts; pass --raw <download folder>")
     seed = load_seed(stage.params)
@@ -114,7 +114,7 @@ def main() -> None:
         )
     print(
         f"distill: student {n_student:,} params from teacher {n_teacher:,} (init: {init}); alpha {cfg.alpha}, "
-        f"T {cfg.temperature}, data {cfg.data}, on-policy share {cfg.on_policy}; fingerprint {fp}",
+        f"T {cfg.temperature}, {cfg.kl} KL, data {cfg.data}, on-policy share {cfg.on_policy}; fingerprint {fp}",
         flush=True,
     )
     result = train(
@@ -128,7 +128,7 @@ def main() -> None:
         checkpoint_root=args.checkpoints,
         fingerprint=fp,
         trainable=STUDENT,
-        loss_fn=student_lm_loss if args.control else distill_loss(cfg.alpha, cfg.temperature),
+        loss_fn=student_lm_loss if args.control else distill_loss(cfg.alpha, cfg.temperature, cfg.kl),
         eval_loss_fn=student_lm_loss,
         batches=batches,
     )

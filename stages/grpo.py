@@ -53,7 +53,7 @@ def main() -> None:
     if cfg.method == "lora":  # the reference stays the base: adapters start at zero
         model, trainable = add_lora(model, cfg.lora, nnx.Rngs(seed), "grpo.lora"), nnx.LoRAParam
     context = read_model_context(args.model)
-    rows = cfg.prompts_per_step * cfg.group_size
+    rows = cfg.prompts_per_step * cfg.group_size // cfg.grad_accum  # sampled a micro-batch at a time
     what = f"the rollouts' KV cache of {rows} samples × {context} positions"
     require_memory(kv_cache_bytes(model.cfg, rows, context), "grpo.group_size", what)
     gen = Generator(model, load_tokenizer(tokenizer_file), context)
@@ -75,7 +75,7 @@ def main() -> None:
         out_dir=args.out,
         checkpoint_root=args.checkpoints,
         fingerprint=fp,
-        loss_fn=grpo_loss(cfg.clip_eps, cfg.kl_coef, cfg.anchor_coef, cfg.clip_eps_high),
+        loss_fn=grpo_loss(cfg.clip_eps, cfg.kl_coef, cfg.anchor_coef, cfg.clip_eps_high, cfg.objective),
         eval_loss_fn=lm_loss,
         batches=rollouts,
         trainable=trainable,
@@ -84,10 +84,15 @@ def main() -> None:
     extra = {"params_count": count_params(final), "context_len": context, "method": cfg.method}
     save_model(args.out / "model", final, tokenizer_file, extra)
     record_training(stage, result, fp, read, inputs, trainable_params=n_train)
-    rewards = [r["rollout/reward"] for r in result.history if "rollout/reward" in r]
-    if jax.process_index() == 0:  # what the run earned: the mean reward of its first and last ten rollouts
+    rollouts_logged = [r for r in result.history if "rollout/reward" in r]
+    rewards = [r["rollout/reward"] for r in rollouts_logged]
+    if jax.process_index() == 0:  # what the run earned, over its first and last ten rollouts, and its samples
         summary = read_json(args.out / "metrics.json")
-        summary.update(reward_first10=float(np.mean(rewards[:10])), reward_last10=float(np.mean(rewards[-10:])))
+        for name in ("reward", "accuracy", "entropy"):
+            values = [r[f"rollout/{name}"] for r in rollouts_logged]
+            summary[f"{name}_first10"] = float(np.mean(values[:10]))
+            summary[f"{name}_last10"] = float(np.mean(values[-10:]))
+        summary["samples"] = rollouts_logged[-1]["rollout/samples_seen"]
         write_json(args.out / "metrics.json", summary)
     print(f"grpo: done at step {result.summary['step']}: reward {rewards[0]:.3f} → {rewards[-1]:.3f}")
 

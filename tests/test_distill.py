@@ -72,6 +72,19 @@ def test_kl_and_its_gradient_vanish_when_the_student_is_the_teacher(micro_data):
     assert float(soft_kl(a, a, 2.0).max()) < 1e-6 and float(soft_kl(a, b, 2.0).min()) > 0
 
 
+def test_reverse_kl_by_hand_and_its_own_zero():
+    """distill.kl: reverse is KL(student_T ‖ teacher_T): the forward KL with the roles swapped, by
+    hand on one position, and zero (with its gradient) when the student is the teacher."""
+    teacher, student = jnp.array([[2.0, 0.0, -1.0]]), jnp.array([[0.5, 0.5, 0.0]])
+    t, s = jax.nn.softmax(teacher / 2.0), jax.nn.softmax(student / 2.0)
+    by_hand = float(jnp.sum(s * (jnp.log(s) - jnp.log(t))))
+    np.testing.assert_allclose(float(soft_kl(teacher, student, 2.0, "reverse")[0]), by_hand, rtol=1e-5)
+    np.testing.assert_allclose(float(soft_kl(student, teacher, 2.0)[0]), by_hand, rtol=1e-5)
+    assert abs(float(soft_kl(teacher, student, 2.0)[0]) - by_hand) > 1e-3  # the two directions differ here
+    grad = jax.grad(lambda x: soft_kl(teacher, x, 2.0, "reverse").sum())(teacher)
+    assert float(soft_kl(teacher, teacher, 2.0, "reverse")[0]) < 1e-7 and float(jnp.abs(grad).max()) < 1e-6
+
+
 def test_a_student_pruned_to_the_teachers_own_shape_is_the_teacher(micro_data):
     teacher = Decoder(dataclasses.replace(TEACHER, tie_embeddings=False), nnx.Rngs(1))
     student = student_from_teacher(teacher, teacher.cfg)
@@ -320,7 +333,7 @@ def test_distill_bad_params_fail_in_one_line(micro_data, pretrained, tmp_path, c
 def test_the_control_run_is_the_student_trained_with_alpha_zero(micro_data, pretrained, tmp_path):
     """`--control` trains what `distill.alpha: 0` trains (the teacher's terms off, nothing else
     changed) whatever alpha and temperature say; a distilled student differs from it."""
-    change = {"alpha": 0.9, "temperature": 3.0, "on_policy": 0.5}
+    change = {"alpha": 0.9, "temperature": 3.0, "kl": "reverse", "on_policy": 0.5}
     runs = {"control": (change, ["--control"]), "alpha0": ({"alpha": 0.0}, []), "distilled": (change, [])}
     for name, (change, flags) in runs.items():
         work = tmp_path / name
@@ -334,4 +347,4 @@ def test_the_control_run_is_the_student_trained_with_alpha_zero(micro_data, pret
     provenance = read_json(tmp_path / "control/out/provenance.json")
     assert provenance["stage"] == "distill_control" and provenance["control"] is True
     assert provenance["params"]["distill"]["alpha"] == 0.0  # what it ran with, not what params.yaml says
-    assert provenance["params"]["distill"]["on_policy"] == 0.0
+    assert provenance["params"]["distill"]["on_policy"] == 0.0 and provenance["params"]["distill"]["kl"] == "forward"

@@ -14,15 +14,26 @@ from flax import nnx
 from stagelm.config import load_section
 from stagelm.files import read_json
 from stagelm.generate import Generator, Sampling
-from stagelm.grpo import Rollouts, graded_length, group_advantages, grpo_loss, rollout_sets, token_logprobs
+from stagelm.grpo import (
+    Group,
+    Rollouts,
+    graded_length,
+    group_advantages,
+    grpo_loss,
+    rollout_metrics,
+    rollout_sets,
+    sample_weights,
+    token_logprobs,
+)
 from stagelm.loader import PackedRows
 from stagelm.model import Decoder, DecoderConfig, count_params
 from stagelm.modeldir import load_model, read_model_context
 from stagelm.sharding import make_mesh
+from stagelm.tasks import step_credit
 from stagelm.tasks.arithmetic import arithmetic_task, working
 from stagelm.tokenizer import chat_segments, load_tokenizer
 from stagelm.trainloop import train
-from stagelm.trainstep import lm_loss, next_token_targets
+from stagelm.trainstep import init_state, lm_loss, make_optimizer, make_train_step, next_token_targets
 
 CFG = DecoderConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
 
@@ -44,6 +55,130 @@ def test_graded_length_stops_at_the_end_of_the_answer():
     assert graded_length([3, 4, 7, 5, 5], stopped=False, ends_answer=ends) == 3
     assert graded_length([3, 4, 5], stopped=True, ends_answer=ends) == 4  # the stop token trains too
     assert graded_length([3, 4, 5], stopped=False, ends_answer=ends) == 3
+
+
+def group(correct: list[bool], rewards: list[float] | None = None) -> Group:
+    """A scored group of `len(correct)` samples (the rows themselves do not matter here)."""
+    n = len(correct)
+    rewards = [float(c) for c in correct] if rewards is None else rewards
+    return Group(0, np.zeros((n, 3), np.int32), rewards, correct, [True] * n, [3] * n, [0.6] * n)
+
+
+def grpo_section(**change):
+    return load_section(micro_params(grpo=change), "grpo")
+
+
+def test_sample_weights_of_each_objective_by_hand():
+    groups = [group([True, False, False, False]), group([True, True, False, True]), group([False] * 4)]
+    adv = group_advantages(np.array([g.rewards for g in groups], np.float32))
+    np.testing.assert_allclose(sample_weights(groups, grpo_section()), adv, rtol=1e-6)  # today's GRPO: 1 and 1
+    positive_only = sample_weights(groups, grpo_section(positive_weight=1.0, negative_weight=0.0))
+    np.testing.assert_allclose(positive_only, np.maximum(adv, 0), rtol=1e-6)
+    tilted = sample_weights(groups, grpo_section(positive_weight=2.0, negative_weight=0.5))
+    np.testing.assert_allclose(tilted, np.where(adv > 0, 2 * adv, 0.5 * adv), rtol=1e-6)
+    every = sample_weights(groups, grpo_section(objective="rft"))
+    np.testing.assert_array_equal(every, [[1, 0, 0, 0], [1, 1, 0, 1], [0, 0, 0, 0]])
+    one = sample_weights(groups, grpo_section(objective="rft", rft_keep="one"))
+    np.testing.assert_array_equal(one, [[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the first right one
+
+
+def test_rollout_metrics_split_the_groups_and_weigh_entropy_by_token():
+    groups = [group([True] * 4), group([True, False, True, False]), group([False] * 4), group([False] * 4)]
+    groups[0].entropy, groups[0].lengths = [0.0] * 4, [1] * 4  # 4 tokens at entropy 0
+    m = rollout_metrics(groups)  # the other 12 samples: 3 tokens each, 0.6 nats summed (0.2 a token)
+    assert m["rollout/all_right_groups"] == 0.25 and m["rollout/all_wrong_groups"] == 0.5
+    assert m["rollout/mixed_groups"] == 0.25 and m["rollout/accuracy"] == 6 / 16
+    assert m["rollout/entropy"] == pytest.approx(12 * 0.6 / (4 + 36))
+
+
+def test_step_credit_pays_right_columns_and_full_credit_only_for_the_answer():
+    spec, prompt = {"answer": 81}, "What is 23 plus 58?"  # 3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.
+    assert step_credit("arithmetic", spec, prompt, "3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 81.") == 1.0
+    assert step_credit("arithmetic", spec, prompt, "3 plus 8 is 11, 2 plus 5 plus 1 is 8, so 82.") == 0.5
+    assert step_credit("arithmetic", spec, prompt, "3 plus 8 is 11, 2 plus 5 is 7, so 71.") == pytest.approx(0.5 / 3)
+    assert step_credit("arithmetic", spec, prompt, "3 plus 8 is 12, 2 plus 1 is 3, so 32.") == 0.0
+    assert step_credit("arithmetic", spec, prompt, "81.") == 1.0  # a bare right answer is right
+    assert step_credit("arithmetic", {"answer": 33}, "What is 71 minus 38?", "so 34.") == 0.0
+    borrow = "11 minus 8 is 3, 7 minus 1 minus 3 is 3, so 34."  # both columns and the borrow right
+    assert step_credit("arithmetic", {"answer": 33}, "What is 71 minus 38?", borrow) == 0.5
+    three = "3 plus 1 is 4, 4 plus 8 is 12, 2 plus 5 is 7, so 724."  # 5 steps: 3 results, 2 carries; 3 right
+    assert step_credit("three_digit", {"answer": 824}, "What is 243 plus 581?", three) == pytest.approx(0.5 * 3 / 5)
+
+
+def test_rft_loss_is_the_next_token_loss_of_the_kept_samples():
+    model = Decoder(CFG, nnx.Rngs(0))
+    batch, _ = rollout_batch(model, old_shift=float(np.log(1.5)))  # off-policy ratios: rft ignores them
+    batch["on_policy"] = jnp.zeros_like(batch["advantages"])
+    batch["advantages"] = jnp.array([[1.0] * 6, [0.0] * 6])
+    batch["completion_mask"] = batch["completion_mask"].at[1].set(0)  # row 1 is wrong: it does not train
+    loss, weight, _ = grpo_loss(0.2, 0.0, objective="rft")(model, batch, None)
+    rows = {k: batch[k] for k in ("tokens", "segment_ids", "positions")} | {"loss_mask": batch["completion_mask"]}
+    ce, count = lm_loss(model, rows, None)
+    assert float(weight) == float(count) == 3
+    np.testing.assert_allclose(float(loss), float(ce), rtol=1e-6)
+
+
+def test_grad_accum_gives_the_update_of_one_batch():
+    """A rollout's rows in two micro-batches take the step the whole rollout takes at once."""
+    model = Decoder(CFG, nnx.Rngs(0))
+    batch, _ = rollout_batch(model)
+    batch = {k: jnp.concatenate([v, v[::-1]]) for k, v in batch.items()}  # 4 rows
+    batch["on_policy"] = jnp.ones_like(batch["advantages"])
+    graphdef, params = nnx.split(model)
+    # SGD (grpo.optimizer: sgd) at lr 1: the step is the gradient itself, not Adam's sign-like ratio
+    section = grpo_section(optimizer="sgd", lr=1.0, warmup_steps=0, grad_clip=0.0, weight_decay=0.0)
+    tx = make_optimizer(section, params)
+    step = make_train_step(graphdef, tx, grpo_loss(0.2, 0.1))
+    out = {}
+    for accum in (1, 2):
+        micro = {k: v.reshape(accum, -1, v.shape[-1]) for k, v in batch.items()}
+        out[accum] = step(init_state(jax.tree.map(jnp.copy, params), tx, jax.random.key(0)), nnx.State({}), micro)
+    np.testing.assert_allclose(float(out[1][1]["loss"]), float(out[2][1]["loss"]), rtol=1e-6)
+    moved = 0.0
+    for a, b, before in zip(*(jax.tree.leaves(x) for x in (out[1][0].params, out[2][0].params, params)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+        moved = max(moved, float(jnp.max(jnp.abs(a - before))))
+    assert moved > 1e-3  # the step did move the weights
+
+
+def test_rollout_entropy_is_the_policys_own(micro_data, policy):
+    """The sampler's per-token entropy equals the entropy of the policy's full forward pass over
+    the sampled rows, at the sampling temperature."""
+    model = load_model(policy)
+    gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
+    cfg = grpo_section(prompts_per_step=4, group_size=2, anchor_coef=0.0)
+    rollouts = Rollouts(cfg, gen, nnx.graphdef(model), rollout_sets(micro_data / "raw", cfg)[0], seed=0)
+    prompts = [rollouts.prompts[i] for i in range(4) for _ in range(2)]
+    tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
+    stop = gen.stop_mask(chat=True, stop_at_newline=True)
+    for temperature in (1.0, 0.5):
+        sampled, stats = gen.decode(
+            gen.params, tokens, seg, pos, stop, jax.random.key(1), Sampling(temperature), cfg.max_new_tokens, True
+        )
+        full = jnp.concatenate([tokens, sampled], 1)
+        fseg = jnp.concatenate([seg, jnp.ones_like(sampled)], 1)
+        fpos = jnp.concatenate([pos, pos[:, -1:] + 1 + jnp.arange(cfg.max_new_tokens)[None]], 1)
+        logits = model(full, fseg, fpos)[:, tokens.shape[1] - 1 : -1] / temperature
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+        entropy = -jnp.sum(jnp.exp(logp) * logp, -1)
+        live = np.asarray(stats["entropy"]) != 0  # steps after a row's stop token are zeroed
+        assert live[:, 0].all()
+        np.testing.assert_allclose(np.asarray(stats["entropy"])[live], np.asarray(entropy)[live], atol=1e-4)
+
+
+def test_rft_rollout_trains_the_correct_samples_only(micro_data, policy):
+    model = load_model(policy)
+    gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
+    cfg = grpo_section(objective="rft", prompts_per_step=2, group_size=4, anchor_coef=0.0)
+    rollouts = Rollouts(cfg, gen, nnx.graphdef(model), rollout_sets(micro_data / "raw", cfg)[0], seed=0)
+    groups = rollouts.sample_groups(gen.params, np.arange(2), jax.random.key(0))
+    for g, correct in zip(groups, ([True, False, False, True], [False] * 4), strict=True):
+        g.correct = correct  # say so: the micro policy answers no sum right
+    batch = rollouts.layout(gen.params, groups)
+    trained = batch["completion_mask"].sum(1)
+    lengths = [n for g in groups for n in g.lengths]
+    np.testing.assert_array_equal(trained, [lengths[0], 0, 0, lengths[3], 0, 0, 0, 0])
+    np.testing.assert_array_equal(batch["advantages"][:, 0], [1, 0, 0, 1, 0, 0, 0, 0])
 
 
 def rollout_batch(model, old_shift: float = 0.0):
@@ -250,6 +385,9 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
             {"families": ["arithmetic", "uses_word", "word_limit"], "anchor_coef": 1.0},
             "grpo.anchor_coef: 1.0 needs 4 (grpo.anchor_rows) SFT conversations outside grpo.families",
         ),
+        ({"grad_accum": 3}, "grpo.grad_accum: 3 does not divide grpo.prompts_per_step 8"),
+        ({"families": ["uses_word"], "reward": "steps"}, "grpo.reward: steps needs families whose answers have"),
+        ({"objective": "dpo"}, "grpo.objective: expected one of 'grpo', 'rft', got 'dpo'"),
     ],
 )
 def test_grpo_bad_params_fail_in_one_line(micro_data, policy, tmp_path, change, message, capsys):
@@ -279,7 +417,7 @@ def test_the_update_scores_the_sampled_tokens_as_the_sampler_drew_them(micro_dat
     tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
     stop = gen.stop_mask(chat=True, stop_at_newline=True)
     key = jax.random.fold_in(jax.random.key(0), 0)  # rollout 0's key
-    sampled, logp = gen.decode(
+    sampled, stats = gen.decode(
         gen.params, tokens, seg, pos, stop, key, Sampling(1.0), cfg.max_new_tokens, logprobs=True
     )
     rollouts.draw(gen.params)
@@ -289,14 +427,16 @@ def test_the_update_scores_the_sampled_tokens_as_the_sampler_drew_them(micro_dat
     np.testing.assert_array_equal(batch["tokens"][:, :width], tokens)
     np.testing.assert_array_equal(batch["tokens"][:, width:][mask[:, width:]], np.asarray(sampled)[mask[:, width:]])
     assert (batch["segment_ids"][mask] == 1).all()
-    np.testing.assert_allclose(batch["old_logp"][mask], np.asarray(logp)[mask[:, width:]], atol=1e-4)
+    np.testing.assert_allclose(batch["old_logp"][mask], np.asarray(stats["logp"])[mask[:, width:]], atol=1e-4)
     adv = batch["advantages"]  # one value per row: the loss reads it only under the mask
     assert (adv == adv[:, :1]).all()
 
 
-def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path):
-    """One prompt, two answers the policy gives equally often, one rewarded: the GRPO update drives
-    the rewarded answer's probability from about a half to nearly one."""
+@pytest.mark.parametrize("objective", ["grpo", "rft"])
+def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path, objective):
+    """One prompt, two answers the policy gives equally often, one rewarded: the GRPO update, and
+    the next-token loss on the correct samples (rft), drive the rewarded answer's probability from
+    about a half to nearly one."""
     tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
     task = arithmetic_task(23, "plus", 58)
     right, wrong = task.chat_answer, working(23, "plus", 57)  # "... so 81." and "... so 80."
@@ -337,6 +477,7 @@ def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path):
     change = {"prompts_per_step": 4, "group_size": 8, "steps": 10, "eval_every": 10, "checkpoint_every": 10}
     change |= {"updates_per_rollout": 1, "lr": 3e-3, "warmup_steps": 1, "kl_coef": 0.0, "anchor_coef": 0.0}
     change |= {"max_new_tokens": 40, "dynamic_sampling": False}  # the worked answer is 26 tokens; the plain rollout
+    change |= {"objective": objective}
     grpo = load_section(micro_params(grpo=change), "grpo")
     rl = [{"family": "arithmetic", "chat_prompt": task.chat_prompt, "spec": json.dumps(task.spec)}]
     gen = Generator(model, tok, 128)
@@ -351,7 +492,7 @@ def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path):
         out_dir=tmp_path / "out",
         checkpoint_root=tmp_path / "ckpt",
         fingerprint="bandit",
-        loss_fn=grpo_loss(grpo.clip_eps, 0.0),
+        loss_fn=grpo_loss(grpo.clip_eps, 0.0, objective=objective),
         eval_loss_fn=lm_loss,
         batches=rollouts,
     )

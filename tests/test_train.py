@@ -125,3 +125,26 @@ def test_loss_falls_on_the_packed_corpus(micro_data):
     # Below the unigram entropy means the model uses context, not only token frequencies.
     assert np.mean(losses[:3]) > unigram > np.mean(losses[-5:])
     assert int(state.step) == 60
+
+
+def test_sgd_with_momentum_by_hand():
+    """grpo.optimizer: sgd is SGD with momentum beta1 and decoupled weight decay, on the schedule."""
+    cfg = load_section(micro_params(grpo={"optimizer": "sgd", "lr": 0.1, "warmup_steps": 0, "beta1": 0.5}), "grpo")
+    cfg = dataclasses.replace(cfg, schedule="constant", grad_clip=0.0, weight_decay=0.01)
+    params = {"w": jnp.array([[1.0, -2.0]]), "norm": jnp.array([3.0])}  # decay on the matrix only
+    tx = make_optimizer(cfg, params)
+    state = tx.init(params)
+    grads = [
+        {"w": jnp.array([[0.5, 0.5]]), "norm": jnp.array([1.0])},
+        {"w": jnp.array([[-1.0, 0.0]]), "norm": jnp.array([0.0])},
+    ]
+    expected, trace = {k: np.asarray(v) for k, v in params.items()}, {k: 0.0 for k in params}
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+        for k in expected:
+            decayed = np.asarray(g[k]) + (0.01 * expected[k] if k == "w" else 0.0)
+            trace[k] = decayed + 0.5 * trace[k]
+            expected[k] = expected[k] - 0.1 * trace[k]
+    for k in expected:
+        np.testing.assert_allclose(params[k], expected[k], rtol=1e-6)

@@ -373,6 +373,10 @@ class DistillConfig(TrainingConfig):
 
     alpha: float = param("weight of the soft term alpha·T²·KL(teacher‖student); 1 - alpha goes to the hard CE", UNIT)
     temperature: float = param("temperature T of both distributions in the soft term", POSITIVE)
+    kl: str = param(
+        "the soft term's direction: forward KL(teacher‖student) or reverse KL(student‖teacher) (MiniLLM)",
+        one_of("forward", "reverse"),
+    )
     data: str = param(
         "what the student trains on: the packed corpus, the SFT conversations, or both", one_of("corpus", "sft", "both")
     )
@@ -390,9 +394,26 @@ class GrpoConfig(OptimizerConfig):
     """GRPO on the SFT model: sampled answers to RL prompts, rewarded by each task family's checker."""
 
     section: ClassVar[str] = "grpo"
-    grad_accum: ClassVar[int] = 1  # one update on every sample of a rollout
 
     families: list[str] = param("RL task families rewarded, and so targeted")
+    objective: str = param(
+        "grpo: the clipped-ratio policy gradient on group advantages; rft: the next-token loss on the "
+        "rollout's correct samples (rejection-sampling fine-tuning, expert iteration)",
+        one_of("grpo", "rft"),
+    )
+    positive_weight: float = param("grpo objective: weight of the samples with a positive advantage", NON_NEGATIVE)
+    negative_weight: float = param(
+        "grpo objective: weight of the samples with a negative advantage (0 with 1 above: positive-only, RAFT-like)",
+        NON_NEGATIVE,
+    )
+    rft_keep: str = param(
+        "rft objective: train on every correct sample of a prompt, or on one (the first drawn)", one_of("all", "one")
+    )
+    reward: str = param(
+        "outcome: 1 for a right answer; steps: partial credit for each right step of a wrong answer "
+        "(families with checkable steps)",
+        one_of("outcome", "steps"),
+    )
     prompts_per_step: int = param(
         "prompts per rollout; an update trains on prompts_per_step × group_size samples", POSITIVE
     )
@@ -417,6 +438,13 @@ class GrpoConfig(OptimizerConfig):
     )  # weight of the KL to the reference on SFT rows (0: none)
     anchor_rows: int = param("SFT conversations per update for the anchor term", POSITIVE)
     updates_per_rollout: int = param("optimizer steps per rollout; rollouts = steps / updates_per_rollout", POSITIVE)
+    grad_accum: int = param(
+        "micro-batches per update: a rollout is sampled and its gradient summed in this many chunks", POSITIVE
+    )
+    optimizer: str = param(
+        "adamw, or sgd with momentum beta1 (no second moment, so no early steps scaled by a noisy variance)",
+        one_of("adamw", "sgd"),
+    )
     method: str = param(
         "full: every weight trains; lora: only adapters train, and the saved model is merged", one_of("full", "lora")
     )
@@ -424,11 +452,16 @@ class GrpoConfig(OptimizerConfig):
 
     @property
     def batch_size(self) -> int:
-        """Rows per update (and per val batch): every sample of one rollout."""
-        return self.prompts_per_step * self.group_size
+        """Rows per micro-batch (and per val batch): a rollout's samples over `grad_accum`."""
+        return self.prompts_per_step * self.group_size // self.grad_accum
 
     def validate(self, prefix: str) -> None:
         super().validate(prefix)
+        if self.prompts_per_step % self.grad_accum:
+            raise StagelmError(
+                f"{prefix}.grad_accum: {self.grad_accum} does not divide {prefix}.prompts_per_step "
+                f"{self.prompts_per_step} (each micro-batch holds whole groups)"
+            )
         if not self.families:  # the names are checked against stagelm.tasks by the grpo stage and `stagelm check`
             raise StagelmError(f"{prefix}.families: empty list; name the rl task families to reward")
         for key in ("steps", "eval_every", "checkpoint_every"):

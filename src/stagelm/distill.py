@@ -5,7 +5,10 @@ teacher's logits never leave the device. Per counted token the loss is
 
     alpha · T² · KL(softmax(teacher / T) ‖ softmax(student / T)) + (1 − alpha) · CE(student, label)
 
-(Hinton et al., 2015: the T² keeps the soft term's gradient scale independent of T).
+(Hinton et al., 2015: the T² keeps the soft term's gradient scale independent of T), or
+with `distill.kl: reverse` the KL the other way, KL(student_T ‖ teacher_T) (Gu et al.,
+2024, MiniLLM: mode-seeking, so a small student does not spread its mass over what it
+cannot fit).
 Only the student's parameters train: `STUDENT` selects them, so the optimizer state
 and the checkpoints hold no copy of the teacher.
 
@@ -111,15 +114,20 @@ def student_from_teacher(teacher: Decoder, cfg: DecoderConfig) -> Decoder:
     return student
 
 
-def soft_kl(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float) -> jax.Array:
-    """KL(teacher_T ‖ student_T) per position, over the last (vocab) axis."""
+def soft_kl(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float, kl: str = "forward") -> jax.Array:
+    """Per position, over the last (vocab) axis: KL(teacher_T ‖ student_T) ("forward": the student
+    covers every token the teacher gives mass to) or KL(student_T ‖ teacher_T) ("reverse": the
+    student puts its mass where the teacher's is, MiniLLM's choice for small students)."""
     log_t = jax.nn.log_softmax(teacher_logits / temperature, axis=-1)
     log_s = jax.nn.log_softmax(student_logits / temperature, axis=-1)
+    if kl == "reverse":
+        return jnp.sum(jnp.exp(log_s) * (log_s - log_t), axis=-1)
     return jnp.sum(jnp.exp(log_t) * (log_t - log_s), axis=-1)
 
 
-def distill_loss(alpha: float, temperature: float) -> LossFn:
-    """The distillation loss over counted tokens (padding, document boundaries and loss_mask as in `lm_loss`)."""
+def distill_loss(alpha: float, temperature: float, kl: str = "forward") -> LossFn:
+    """The distillation loss over counted tokens (padding, document boundaries and loss_mask as in
+    `lm_loss`), its soft term the `kl` direction of `soft_kl`."""
 
     def loss(model: Distiller, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple:
         inputs, targets, weights = next_token_targets(batch)
@@ -127,14 +135,14 @@ def distill_loss(alpha: float, temperature: float) -> LossFn:
         student = model.student(*args, rng).astype(jnp.float32)
         teacher = jax.lax.stop_gradient(model.teacher(*args).astype(jnp.float32))
         ce = optax.softmax_cross_entropy_with_integer_labels(student, targets)
-        kl = soft_kl(teacher, student, temperature)
+        soft = soft_kl(teacher, student, temperature, kl)
         # The student's own answers (on-policy rows) learn the teacher's distribution only.
         hard = 0.0 if SAMPLED in batch else 1 - alpha
-        per_token = (1 - hard) * temperature**2 * kl + hard * ce
+        per_token = (1 - hard) * temperature**2 * soft + hard * ce
         return (
             jnp.sum(per_token * weights),
             jnp.sum(weights),
-            {"kl": jnp.sum(kl * weights), "ce": jnp.sum(ce * weights)},
+            {"kl": jnp.sum(soft * weights), "ce": jnp.sum(ce * weights)},
         )
 
     return loss

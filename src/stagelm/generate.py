@@ -145,7 +145,7 @@ class Generator:
         sampling: dict,
         max_new: int,
         logprobs: bool = False,
-    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array] | None]:
         # The cache holds what this call can reach, the prompt width plus max_new: every decode
         # step attends over those slots only, not the whole capacity (the masked slots beyond
         # would add nothing to a row's softmax but their cost).
@@ -153,7 +153,8 @@ class Generator:
         logits, cache = self._prefill_fn(params, tokens, seg, pos, width + max_new)
         next_pos = pos[:, -1] + 1
         out = jnp.zeros((batch, max_new), jnp.int32)
-        logp = jnp.zeros((batch, max_new), jnp.float32) if logprobs else None
+        zeros = jnp.zeros((batch, max_new), jnp.float32)
+        stats = {"logp": zeros, "entropy": zeros} if logprobs else None
         done = jnp.zeros(batch, bool)
 
         def cond(carry: tuple) -> jax.Array:
@@ -161,7 +162,7 @@ class Generator:
             return (i < max_new) & ~jnp.all(done)
 
         def body(carry: tuple) -> tuple:
-            i, logits, cache, out, logp, done, key = carry
+            i, logits, cache, out, stats, done, key = carry
             key, sub = jax.random.split(key)
             token = sample_tokens(logits, sub, **sampling)
             token = jnp.where(done, 0, token)
@@ -169,14 +170,19 @@ class Generator:
             if logprobs:  # of the distribution drawn from, before any top-k or top-p cut
                 scale = jnp.where(sampling["temperature"] > 0, sampling["temperature"], 1.0)
                 drawn = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
-                logp = logp.at[:, i].set(jnp.where(done, 0.0, jnp.take_along_axis(drawn, token[:, None], 1)[:, 0]))
+                picked = jnp.take_along_axis(drawn, token[:, None], 1)[:, 0]
+                entropy = -jnp.sum(jnp.exp(drawn) * drawn, axis=-1)
+                stats = {
+                    "logp": stats["logp"].at[:, i].set(jnp.where(done, 0.0, picked)),
+                    "entropy": stats["entropy"].at[:, i].set(jnp.where(done, 0.0, entropy)),
+                }
             done = done | stop[token]
             logits, cache = self._step_fn(params, cache, token, next_pos + i, width + i)
-            return i + 1, logits, cache, out, logp, done, key
+            return i + 1, logits, cache, out, stats, done, key
 
-        carry = (jnp.int32(0), logits, cache, out, logp, done, key)
-        n, _, _, out, logp, _, _ = jax.lax.while_loop(cond, body, carry)
-        return out, n, logp
+        carry = (jnp.int32(0), logits, cache, out, stats, done, key)
+        n, _, _, out, stats, _, _ = jax.lax.while_loop(cond, body, carry)
+        return out, n, stats
 
     # --- host side -------------------------------------------------------------------------
 
@@ -244,18 +250,19 @@ class Generator:
         sampling: Sampling,
         max_new: int,
         logprobs: bool = False,
-    ) -> tuple[jax.Array, jax.Array | None]:
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         """(rows, max_new) new token ids of a `layout`, from the jitted loop, on the device, and
-        with `logprobs` each drawn token's log-probability under the distribution it was drawn
-        from (the model's softmax at the sampling temperature, before any top-k or top-p cut):
-        what an RL update must reproduce from the same tokens (else None).
+        with `logprobs` (rows, max_new) arrays of each step's distribution, the one the token
+        was drawn from (the model's softmax at the sampling temperature, before any top-k or
+        top-p cut): `logp`, the drawn token's log-probability, what an RL update must
+        reproduce from the same tokens, and `entropy` (else None).
 
         `params` stand in for the model's own (GRPO samples with the policy's current
-        weights); a row is zero (and its log-probs 0) after its first `stop` token."""
-        out, _, logp = self._loop(
+        weights); a row is zero (and its statistics 0) after its first `stop` token."""
+        out, _, stats = self._loop(
             params, tokens, seg, pos, stop, key, sampling.arrays(), max_new=max_new, logprobs=logprobs
         )
-        return out, logp
+        return out, stats
 
     def completion(self, row: np.ndarray, stop: jax.Array) -> Completion:
         stop = np.asarray(stop)

@@ -43,7 +43,7 @@ from stagelm.errors import StagelmError
 from stagelm.generate import Generator, Sampling
 from stagelm.rawdata import read_raw
 from stagelm.sharding import mine, to_host
-from stagelm.tasks import check_answer
+from stagelm.tasks import REGISTRY, check_answer, step_credit
 from stagelm.tokenizer import chat_prompt_ids, chat_segments
 from stagelm.trainstep import LossFn, next_token_targets
 
@@ -57,15 +57,60 @@ def group_advantages(rewards: np.ndarray, scale: str = "group") -> np.ndarray:
     return centred / (rewards.std(axis=1, keepdims=True) + 1e-6)
 
 
+def sample_weights(groups: list["Group"], cfg: GrpoConfig) -> np.ndarray:
+    """(groups, group_size) weights of a rollout's samples in the loss.
+
+    grpo: the group advantages (`group_advantages`), the positive ones times
+    `positive_weight` and the negative ones times `negative_weight`. rft: 1 for each
+    correct sample that trains (every one, or the first of each group with `rft_keep: one`),
+    0 for the rest."""
+    if cfg.objective == "rft":
+        correct = np.asarray([g.correct for g in groups], np.float32)
+        if cfg.rft_keep == "one":
+            first = np.argmax(correct, axis=1)
+            correct = correct * (np.arange(correct.shape[1])[None] == first[:, None])
+        return correct
+    adv = group_advantages(np.asarray([g.rewards for g in groups], np.float32), cfg.advantages)
+    return np.where(adv > 0, cfg.positive_weight * adv, cfg.negative_weight * adv)
+
+
+def rollout_metrics(drawn: list["Group"]) -> dict[str, float]:
+    """What a rollout's drawn samples show: reward, binary accuracy, the shares of groups with
+    mixed rewards, all right and all wrong, and the entropy of the sampling distribution over
+    the tokens that train (it falls as the policy sharpens)."""
+    rewards = np.asarray([g.rewards for g in drawn])
+    correct = np.asarray([g.correct for g in drawn])
+    tokens = sum(sum(g.lengths) for g in drawn)
+    return {
+        "rollout/reward": float(rewards.mean()),
+        "rollout/accuracy": float(correct.mean()),
+        "rollout/well_formed": float(np.mean([g.formed for g in drawn])),
+        "rollout/completion_tokens": float(np.mean([g.lengths for g in drawn])),
+        "rollout/mixed_groups": float(np.mean(np.ptp(rewards, axis=1) > 0)),
+        "rollout/all_right_groups": float(np.mean(correct.all(axis=1))),
+        "rollout/all_wrong_groups": float(np.mean(~correct.any(axis=1))),
+        "rollout/entropy": float(sum(sum(g.entropy) for g in drawn) / max(tokens, 1)),
+        "rollout/prompts_drawn": float(len(drawn)),
+    }
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
 
 
-def grpo_loss(clip_eps: float, kl_coef: float, anchor_coef: float = 0.0, clip_eps_high: float | None = None) -> LossFn:
+def grpo_loss(
+    clip_eps: float,
+    kl_coef: float,
+    anchor_coef: float = 0.0,
+    clip_eps_high: float | None = None,
+    objective: str = "grpo",
+) -> LossFn:
     """The clipped-ratio loss with a KL penalty, over completion tokens; aux: kl, clip fraction, ratio.
 
     The ratio is clipped to [1 − clip_eps, 1 + clip_eps_high] (DAPO's decoupled clip; the
-    upper bound is clip_eps when `clip_eps_high` is None).
+    upper bound is clip_eps when `clip_eps_high` is None). With `objective` "rft" the policy
+    term is the next-token loss of the tokens under the mask (the rollout's kept correct
+    samples) times their row's weight, with no ratio: rejection-sampling fine-tuning.
 
     With `anchor_coef` > 0 the batch also carries anchor rows (`anchor_*`: SFT rows and
     the reference's log-probs of their answer tokens) and the loss adds `anchor_coef`
@@ -83,7 +128,7 @@ def grpo_loss(clip_eps: float, kl_coef: float, anchor_coef: float = 0.0, clip_ep
         ratio = jnp.exp(logp - old)
         high = clip_eps if clip_eps_high is None else clip_eps_high
         clipped = jnp.clip(ratio, 1 - clip_eps, 1 + high)
-        policy = -jnp.minimum(ratio * adv, clipped * adv)
+        policy = -logp * adv if objective == "rft" else -jnp.minimum(ratio * adv, clipped * adv)
         kl = k3(batch["ref_logp"][:, 1:], logp)
         per_token = policy + kl_coef * kl
         was_clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).astype(jnp.float32)
@@ -133,6 +178,13 @@ def rollout_sets(raw: Path, cfg: GrpoConfig) -> tuple[list[dict], list[dict]]:
             f"grpo.anchor_coef: {cfg.anchor_coef} needs {cfg.anchor_rows} (grpo.anchor_rows) SFT conversations "
             f"outside grpo.families in {raw}, found {len(anchor)}; set it to 0"
         )
+    if cfg.reward == "steps":
+        flat = [f for f in cfg.families if REGISTRY[f].step_credit is None]
+        if flat:
+            raise StagelmError(
+                f"grpo.reward: steps needs families whose answers have checkable steps; {flat} have none "
+                "(set grpo.reward: outcome or drop them from grpo.families)"
+            )
     if cfg.anchor_rows % jax.process_count():
         raise StagelmError(f"grpo.anchor_rows: {cfg.anchor_rows} does not split over {jax.process_count()} processes")
     return tasks, anchor
@@ -148,6 +200,12 @@ class Group:
     correct: list[bool]
     formed: list[bool]
     lengths: list[int]  # tokens that train (graded_length)
+    entropy: list[float]  # the sampling distribution's entropy summed over those tokens
+
+    def teaches(self, objective: str) -> bool:
+        """Whether the group carries signal for `objective`: grpo, rewards that differ (else every
+        advantage is 0); rft, a correct sample to train on."""
+        return bool(np.ptp(self.rewards) > 0) if objective == "grpo" else any(self.correct)
 
 
 class Rollouts:
@@ -227,40 +285,56 @@ class Rollouts:
         return {f"anchor_{k}": v for k, v in out.items()}
 
     def sample_groups(self, policy: Any, chosen: np.ndarray, key: jax.Array) -> list[Group]:
-        """`group_size` scored completions of each prompt in `chosen`, sampled with `policy`."""
+        """`group_size` scored completions of each prompt in `chosen`, sampled with `policy` in
+        `grad_accum` chunks of whole groups (the KV cache holds one chunk's rows at a time)."""
         cfg, gen = self.cfg, self.gen
-        prompts = [self.prompts[i] for i in chosen for _ in range(cfg.group_size)]
-        tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
         stop = gen.stop_mask(chat=True, stop_at_newline=True)
         sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p)
-        out = to_host(gen.decode(policy, tokens, seg, pos, stop, key, sampling, cfg.max_new_tokens)[0])
+        chunks = np.split(chosen, cfg.grad_accum)
+        keys = [key] if cfg.grad_accum == 1 else list(jax.random.split(key, cfg.grad_accum))
         groups = []
-        for g, i in enumerate(chosen):
-            rows = out[g * cfg.group_size : (g + 1) * cfg.group_size]
-            group = Group(int(i), rows, [], [], [], [])
-            for row in rows:
-                completion = gen.completion(row, stop)
-                ok_form, ok = check_answer(self.tasks[i]["family"], self.specs[i], completion.text)
-                group.rewards.append(float(ok) + cfg.format_weight * float(ok_form))
-                group.correct.append(ok)
-                group.formed.append(ok_form)
-                group.lengths.append(graded_length(completion.tokens, completion.finish == "stop", self.ends_answer))
-            groups.append(group)
+        for chunk, chunk_key in zip(chunks, keys, strict=True):
+            prompts = [self.prompts[i] for i in chunk for _ in range(cfg.group_size)]
+            tokens, seg, pos = gen.layout(prompts, cfg.max_new_tokens)
+            out, stats = gen.decode(policy, tokens, seg, pos, stop, chunk_key, sampling, cfg.max_new_tokens, True)
+            out, entropy = to_host(out), to_host(stats["entropy"])
+            for g, i in enumerate(chunk):
+                rows = slice(g * cfg.group_size, (g + 1) * cfg.group_size)
+                groups.append(self.score(int(i), out[rows], entropy[rows], stop))
         return groups
+
+    def score(self, index: int, rows: np.ndarray, entropy: np.ndarray, stop: jax.Array) -> "Group":
+        """The group of prompt `index`'s sampled `rows`: each graded, rewarded and measured."""
+        task, spec = self.tasks[index], self.specs[index]
+        group = Group(index, rows, [], [], [], [], [])
+        for row, row_entropy in zip(rows, entropy, strict=True):
+            completion = self.gen.completion(row, stop)
+            ok_form, ok = check_answer(task["family"], spec, completion.text)
+            if self.cfg.reward == "steps":
+                earned = step_credit(task["family"], spec, task["chat_prompt"], completion.text)
+            else:
+                earned = float(ok)
+            length = graded_length(completion.tokens, completion.finish == "stop", self.ends_answer)
+            group.rewards.append(earned + self.cfg.format_weight * float(ok_form))
+            group.correct.append(ok)
+            group.formed.append(ok_form)
+            group.lengths.append(length)
+            group.entropy.append(float(row_entropy[:length].sum()))
+        return group
 
     def draw(self, policy: Any) -> dict[str, float]:
         """Sample, score and lay out one rollout with the current policy; its host metrics.
 
-        With `dynamic_sampling`, groups whose samples all scored alike (advantage 0: no
-        signal) are set aside and more prompts drawn, up to `max_draws` batches, until
-        `prompts_per_step` groups differ; a rollout still short fills with set-aside groups.
-        The metrics cover every drawn sample, before any group is set aside.
+        With `dynamic_sampling`, groups that teach the objective nothing (`Group.teaches`) are
+        set aside and more prompts drawn, up to `max_draws` batches, until `prompts_per_step`
+        groups teach; a rollout still short fills with set-aside groups. The metrics cover
+        every drawn sample, before any group is set aside.
         """
-        cfg, gen = self.cfg, self.gen
+        cfg = self.cfg
         jax.block_until_ready(policy)
         update_s = time.perf_counter() - self.ready_at if self.ready_at is not None else None
         t0 = time.perf_counter()
-        per, size = cfg.prompts_per_step, cfg.group_size
+        per = cfg.prompts_per_step
         key = jax.random.fold_in(jax.random.key(self.seed), self.rollout)
         kept: list[Group] = []
         alike: list[Group] = []
@@ -271,22 +345,34 @@ class Rollouts:
             groups = self.sample_groups(policy, chosen, key if draw == 0 else jax.random.fold_in(key, draw))
             drawn += groups
             for group in groups:
-                (alike if cfg.dynamic_sampling and np.ptp(group.rewards) == 0 else kept).append(group)
+                (kept if not cfg.dynamic_sampling or group.teaches(cfg.objective) else alike).append(group)
             if len(kept) >= per:
                 break
         groups = (kept + alike)[:per]
         rollout_s = time.perf_counter() - t0
+        self.batch = self.layout(policy, groups)
+        self.rollout += 1
+        self.ready_at = time.perf_counter()
+        metrics = rollout_metrics(drawn)
+        metrics["rollout/samples_seen"] = float(self.drawn * cfg.group_size)  # completions generated so far
+        metrics["perf/rollout_tokens_per_sec"] = float(sum(sum(g.lengths) for g in drawn) / rollout_s)
+        if update_s is not None:
+            metrics["perf/update_seconds"] = update_s
+        return metrics
 
-        rewards = np.asarray([g.rewards for g in groups], np.float32)
-        adv = group_advantages(rewards, cfg.advantages).reshape(-1)
-        tokens, seg, pos = (
-            np.asarray(a)
-            for a in gen.layout([self.prompts[g.index] for g in groups for _ in range(size)], cfg.max_new_tokens)
-        )
+    def layout(self, policy: Any, groups: list[Group]) -> dict[str, np.ndarray]:
+        """The training rows of a rollout's groups: prompt and completion tokens, the mask of the
+        tokens that train, each row's weight (`sample_weights`) and the log-probs the loss needs."""
+        cfg, gen = self.cfg, self.gen
+        size, new = cfg.group_size, cfg.max_new_tokens
+        prompts = [self.prompts[g.index] for g in groups for _ in range(size)]
+        tokens, seg, pos = (np.asarray(a) for a in gen.layout(prompts, new))
+        weights = sample_weights(groups, cfg).reshape(-1)
         out = np.concatenate([g.rows for g in groups])
-        width, new = tokens.shape[1], cfg.max_new_tokens
+        width = tokens.shape[1]
         lengths = np.asarray([n for g in groups for n in g.lengths])
         gen_mask = (np.arange(new)[None] < lengths[:, None]).astype(np.int32)
+        trains = gen_mask * (weights[:, None] != 0) if cfg.objective == "rft" else gen_mask
         full_tokens = np.concatenate([tokens, out * gen_mask], 1)
         full_seg = np.concatenate([seg, np.ones_like(out)], 1)
         full_pos = np.concatenate([pos, pos[:, -1:] + 1 + np.arange(new)[None]], 1)
@@ -294,8 +380,8 @@ class Rollouts:
             "tokens": full_tokens,
             "segment_ids": full_seg,
             "positions": full_pos,
-            "completion_mask": np.concatenate([np.zeros_like(tokens), gen_mask], 1),
-            "advantages": np.repeat(adv[:, None], width + new, 1).astype(np.float32),
+            "completion_mask": np.concatenate([np.zeros_like(tokens), trains], 1),
+            "advantages": np.repeat(weights[:, None], width + new, 1).astype(np.float32),
             "on_policy": np.ones(full_tokens.shape, np.float32),
         }
         args = (jnp.asarray(full_tokens), jnp.asarray(full_seg), jnp.asarray(full_pos))
@@ -303,22 +389,7 @@ class Rollouts:
         batch["old_logp"] = (
             to_host(self._score(policy, *args)) if cfg.updates_per_rollout > 1 else np.zeros_like(batch["ref_logp"])
         )
-        self.batch = batch
-        self.rollout += 1
-        self.ready_at = time.perf_counter()
-        every = np.asarray([g.rewards for g in drawn])
-        metrics = {
-            "rollout/reward": float(every.mean()),
-            "rollout/accuracy": float(np.mean([g.correct for g in drawn])),
-            "rollout/well_formed": float(np.mean([g.formed for g in drawn])),
-            "rollout/completion_tokens": float(np.mean([g.lengths for g in drawn])),
-            "rollout/mixed_groups": float(np.mean(np.ptp(every, axis=1) > 0)),
-            "rollout/prompts_drawn": float(len(drawn)),
-            "perf/rollout_tokens_per_sec": float(sum(sum(g.lengths) for g in drawn) / rollout_s),
-        }
-        if update_s is not None:
-            metrics["perf/update_seconds"] = update_s
-        return metrics
+        return batch
 
     def get_state(self) -> dict[str, Any]:
         return {"rollout": self.rollout, "update": self.update, "drawn": self.drawn}

@@ -57,6 +57,48 @@ def loss_curve(
     plt.close(fig)
 
 
+# An RL stage's dynamics, one panel each: (title, [(plot file, style)], y label).
+DYNAMICS = (
+    ("entropy of the sampling policy", [("rollout/entropy.tsv", "-")], "nats/token"),
+    (
+        "groups of a rollout",
+        [
+            ("rollout/all_right_groups.tsv", "-"),
+            ("rollout/mixed_groups.tsv", "--"),
+            ("rollout/all_wrong_groups.tsv", ":"),
+        ],
+        "share",
+    ),
+    ("KL to the reference (k3)", [("train/kl.tsv", "-")], "nats/token"),
+    ("gradient norm", [("train/grad_norm.tsv", "-")], "global norm"),
+)
+
+
+def dynamics_figure(plots_dir: Path, title: str, out_png: Path) -> None:
+    """The RL dynamics beside each other (`DYNAMICS`): entropy first, since it falls as the
+    policy sharpens and the reward tracks it; then the groups' shape, the KL and the gradient."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(9, 5.5), dpi=100)
+    for ax, (name, curves, ylabel) in zip(axes.flat, DYNAMICS, strict=True):
+        for tsv, style in curves:
+            steps, values = read_curve(plots_dir / tsv)
+            if steps:
+                ax.plot(steps, values, style, label=tsv.removesuffix(".tsv").split("/")[1])
+        ax.set(xlabel="step", ylabel=ylabel, title=name)
+        ax.grid(alpha=0.3)
+        if len(curves) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, metadata={"Software": None})
+    plt.close(fig)
+
+
 def flat_numbers(tree: dict, prefix: str = "", skip: tuple = ()) -> list[tuple[str, float]]:
     """(dotted key, value) of every number in a nested dict, in order, leaving out the `skip` keys."""
     out = []
@@ -308,6 +350,9 @@ def render(runs: Path, models: list[str], figures: Path, report_path: Path, benc
             rl = (("rollout/reward.tsv", "-"), ("rollout/accuracy.tsv", "--"))
             loss_curve(plots, f"{m['name']}: sampled reward", png, rl, "mean over the rollout")
             out += [f"![{m['name']} reward]({rel / png.name})", ""]
+            png = figures / f"{m['name']}_dynamics.png"
+            dynamics_figure(plots, f"{m['name']}: dynamics", png)
+            out += [f"![{m['name']} dynamics]({rel / png.name})", ""]
     out += ["## Samples", ""]
     for name in models:
         for record in read_jsonl(runs / "samples" / f"{name}.jsonl")[:3]:

@@ -87,15 +87,19 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
 
 
 def make_optimizer(cfg: OptimizerConfig, params: Any) -> optax.GradientTransformation:
-    adamw = optax.adamw(
-        lr_schedule(cfg),
-        b1=cfg.beta1,
-        b2=cfg.beta2,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        mask=decay_mask(params, cfg.decay_embeddings),
-    )
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
+    """AdamW on the section's schedule, after global-norm clipping; or, where the section asks for
+    `optimizer: sgd` (grpo), SGD with momentum beta1 and the same decoupled weight decay."""
+    mask = decay_mask(params, cfg.decay_embeddings)
+    if getattr(cfg, "optimizer", "adamw") == "sgd":
+        opt = optax.chain(
+            optax.add_decayed_weights(cfg.weight_decay, mask),
+            optax.sgd(lr_schedule(cfg), momentum=cfg.beta1 or None),
+        )
+    else:
+        opt = optax.adamw(
+            lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+        )
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if cfg.grad_clip > 0 else opt
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:

@@ -45,6 +45,7 @@ __all__ = [
     "require_family_sets",
     "select",
     "spec_problem",
+    "step_credit",
 ]
 
 
@@ -53,6 +54,13 @@ def check_answer(family: str, spec: dict[str, Any], completion: str) -> tuple[bo
     if family not in REGISTRY:
         raise StagelmError(f"unknown task family {family!r}; expected one of {list(FAMILIES)}")
     return REGISTRY[family].check(spec, completion)
+
+
+def step_credit(family: str, spec: dict[str, Any], prompt: str, completion: str) -> float:
+    """Partial credit in [0, 1] of a completion (`Family.step_credit`); for a family without
+    steps, 1 for a right answer and 0 otherwise."""
+    credit = REGISTRY[family].step_credit
+    return credit(spec, prompt, completion) if credit else float(check_answer(family, spec, completion)[1])
 
 
 def require_families(names: list[str] | tuple[str, ...], key: str) -> None:

@@ -74,6 +74,49 @@ def check(spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
     return match is not None, match is not None and int(match.group(1)) == spec["answer"]
 
 
+_OPERANDS = re.compile(r"(\d+) (plus|minus) (\d+)")
+_LAST_NUMBER = re.compile(r"(-?\d+)$")
+
+
+def carries(clause: str) -> bool:
+    """Whether a column's clause takes a carry or a borrow: `2 plus 5 plus 1 is 8`, `7 minus 1 minus 3 is 3`."""
+    return clause.count(" plus ") + clause.count(" minus ") >= 2
+
+
+def column_credit(expected: str, completion: str) -> float:
+    """The share of the column steps of worked answer `expected` that the completion's first
+    sentence gets right, clause by clause: each column's result, and each later column's carry
+    or borrow (`carries`)."""
+    want = expected.rstrip(".").split(", ")[:-1]  # the columns; the last clause is "so N"
+    got = first_sentence(completion).rstrip(".").split(", ")
+    right = total = 0
+    for i, clause in enumerate(want):
+        mine = got[i] if i < len(got) else ""
+        result, seen = _LAST_NUMBER.search(clause), _LAST_NUMBER.search(mine)
+        right += bool(seen) and seen.group(1) == result.group(1)
+        total += 1
+        if i > 0:  # the column's carry (plus) or borrow (minus) from the one before: a third term
+            right += carries(clause) == carries(mine)
+            total += 1
+    return right / total
+
+
+def credit_of(work: Callable[[int, str, int], str]) -> Callable[[dict[str, Any], str, str], float]:
+    """A worked family's partial credit: 1 for a right answer; for a wrong one, half the share of
+    right column steps (`column_credit`) against the working of the prompt's own numbers."""
+
+    def credit(spec: dict[str, Any], prompt: str, completion: str) -> float:
+        if check(spec, completion)[1]:
+            return 1.0
+        found = _OPERANDS.search(prompt)
+        if found is None:  # a prompt of a task file, worded otherwise: only the outcome is graded
+            return 0.0
+        a, op, b = int(found.group(1)), found.group(2), int(found.group(3))
+        return 0.5 * column_credit(work(a, op, b), completion)
+
+    return credit
+
+
 def sheet_of(task: Callable[..., Task]) -> Callable[[random.Random, Sequence[Problem]], str]:
     """The corpus documents of a worked family: 4-10 `task`s of the training pool, one per line."""
 
@@ -88,5 +131,13 @@ sheet = sheet_of(arithmetic_task)
 
 
 FAMILY = Family(
-    "arithmetic", problems, ask, check, sft_share=0.7, corpus=sheet, corpus_share=0.40, spec_schema={"answer": int}
+    "arithmetic",
+    problems,
+    ask,
+    check,
+    sft_share=0.7,
+    corpus=sheet,
+    corpus_share=0.40,
+    spec_schema={"answer": int},
+    step_credit=credit_of(working),
 )

@@ -49,6 +49,10 @@ class Family:
     # whose skill is copying from the prompt holds out whole words instead, so its eval
     # prompts ask for words no training answer of the family contains.
     split: Callable[[list[Problem], int, random.Random], tuple[list[Problem], list[Problem]]] | None = None
+    # Partial credit in [0, 1] of a completion of a task (spec, chat or completion prompt), for
+    # GRPO's `reward: steps`: 1 only for a right answer, a share for each right step of a wrong
+    # one. None: the family's answers have no steps to check.
+    step_credit: Callable[[dict[str, Any], str, str], float] | None = None
 
 
 def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random) -> tuple[list, list]:

@@ -21,7 +21,7 @@ decodes a problem from its index and the split samples the held-out indices
 import bisect
 import random
 
-from stagelm.tasks.arithmetic import OPS, check, sheet_of, worked_task
+from stagelm.tasks.arithmetic import OPS, check, credit_of, sheet_of, worked_task
 from stagelm.tasks.family import Family, IndexedSpace, Problem, Task, split_sampled
 
 # plus: every (a, b) of 0-999 but the 100 × 100 where both are under 100; minus: a of 100-999, b of 0-a.
@@ -80,4 +80,5 @@ FAMILY = Family(
     corpus_share=0.15,
     spec_schema={"answer": int},
     split=split_sampled,
+    step_credit=credit_of(working),
 )
