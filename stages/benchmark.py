@@ -35,6 +35,7 @@ from stagelm.errors import run_main
 from stagelm.files import atomic_write_bytes, write_json
 from stagelm.hardware import peak_flops
 from stagelm.loader import PackedRows
+from stagelm.memory import benchmark_bytes, require_memory
 from stagelm.provenance import git_state
 from stagelm.stage import start
 
@@ -47,6 +48,8 @@ def main() -> None:
     model = decoder_config(cfg)
     warm, reps = cfg.warmup, cfg.repetitions
     samples: dict[str, list[float]] = {}
+    for key, need in benchmark_bytes(cfg).items():  # every size checked before anything is allocated
+        require_memory(need, key, f"the benchmark's {key.split('.')[1]} measure")
 
     samples["matmul.flops_per_sec"] = matmul_flops(cfg.matmul_size, cfg.dtype, warm, reps)
     train = bench_train(model, cfg.seq_len, cfg.batch_size, warm, reps)

@@ -24,15 +24,19 @@ from stagelm.evaluation import (
     val_metrics,
 )
 from stagelm.files import atomic_write_bytes, write_json
-from stagelm.generate import Generator
+from stagelm.generate import BUCKET, Generator
 from stagelm.loader import PackedRows
-from stagelm.memory import kv_cache_bytes, require_memory
+from stagelm.memory import generation_bytes, require_memory
 from stagelm.meshbatch import check_batch
 from stagelm.modeldir import load_model, read_model_context
 from stagelm.rawdata import read_raw
 from stagelm.sharding import make_mesh
 from stagelm.stage import start
 from stagelm.tokenizer import load_tokenizer
+
+# Host memory per generated token of a kept answer: its text (up to 4 characters a token),
+# the JSON line written from it, and the ids of its batch while they are decoded.
+ANSWER_BYTES_PER_TOKEN = 16
 
 
 def main() -> None:
@@ -57,8 +61,14 @@ def main() -> None:
     capacity = max(context, longest + cfg.max_new_tokens)
     if capacity > context:
         print(f"eval@{args.name}: eval prompts need {capacity} positions, beyond the trained context of {context}")
-    what = f"a KV cache of eval.task_batch_size {cfg.task_batch_size} × {capacity} positions"
-    require_memory(kv_cache_bytes(model.cfg, cfg.task_batch_size, capacity), "eval.max_new_tokens", what)
+    # The decode loop of one batch, and the answers' text the stage keeps for its predictions:
+    # every prompt in both formats, sampled once and pass_k times, up to max_new_tokens each.
+    width = -(-longest // BUCKET) * BUCKET
+    answers = len(tasks) * (3 + cfg.pass_k)
+    need = generation_bytes(model.cfg, cfg.task_batch_size, width, cfg.max_new_tokens)
+    need += answers * cfg.max_new_tokens * ANSWER_BYTES_PER_TOKEN
+    what = f"generating {answers:,} answers of up to eval.max_new_tokens {cfg.max_new_tokens} tokens"
+    require_memory(need, "eval.max_new_tokens", what, fix="lower it or eval.task_batch_size")
     gen = Generator(model, tok, capacity)
     records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
     metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)

@@ -23,7 +23,7 @@ from stagelm.generate import Generator
 from stagelm.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.loader import PackedRows
 from stagelm.lora import add_lora, merge_lora
-from stagelm.memory import kv_cache_bytes, require_memory
+from stagelm.memory import generation_bytes, require_memory
 from stagelm.model import count_params
 from stagelm.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
 from stagelm.tasks import require_families
@@ -53,11 +53,12 @@ def main() -> None:
     if cfg.method == "lora":  # the reference stays the base: adapters start at zero
         model, trainable = add_lora(model, cfg.lora, nnx.Rngs(seed), "grpo.lora"), nnx.LoRAParam
     context = read_model_context(args.model)
-    rows = cfg.prompts_per_step * cfg.group_size // cfg.grad_accum  # sampled a micro-batch at a time
-    what = f"the rollouts' KV cache of {rows} samples × {context} positions"
-    require_memory(kv_cache_bytes(model.cfg, rows, context), "grpo.group_size", what)
     gen = Generator(model, load_tokenizer(tokenizer_file), context)
     rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed, anchor)
+    rows = cfg.prompts_per_step * cfg.group_size // cfg.grad_accum  # sampled a micro-batch at a time
+    what = f"sampling {rows} completions of up to {cfg.max_new_tokens} tokens at once"
+    need = generation_bytes(model.cfg, rows, rollouts.prompt_width, cfg.max_new_tokens)
+    require_memory(need, "grpo.group_size", what, fix="lower it, grpo.prompts_per_step or raise grpo.grad_accum")
 
     n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, trainable)))
     print(

@@ -43,7 +43,7 @@ def main() -> None:
     stage = start(__doc__, "raw", "tokenizer", "out")
     args = stage.args
     cfg = load_section(stage.params, "pack")
-    index, count = distributed.join()
+    index, count = distributed.join(load_section(stage.params, "launch").initialization_timeout)
     staging = args.out.with_name(f".{args.out.name}.partial")
     if index == 0:
         shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers

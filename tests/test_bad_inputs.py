@@ -119,6 +119,11 @@ def damage(model: Path, how: str) -> str:
         raw["n_heads"] = 0
         config.write_text(json.dumps(raw))
         return f"{config}: n_heads: expected a positive int, got 0"
+    if how in ("config-rope-negative", "config-eps-negative"):
+        field = "rope_theta" if how == "config-rope-negative" else "norm_eps"
+        raw[field] = -1.0
+        config.write_text(json.dumps(raw))
+        return f"{config}: {field}: expected a positive float, got -1.0"
     if how == "config-without-hashes":
         del raw["params_sha256"]
         config.write_text(json.dumps(raw))
@@ -133,6 +138,8 @@ DAMAGE = [
     "config-not-json",
     "config-without-vocab_size",
     "config-heads-zero",
+    "config-rope-negative",
+    "config-eps-negative",
     "config-without-hashes",
 ]
 
@@ -161,6 +168,10 @@ def test_export_hf_replaces_only_a_previous_export_and_never_its_source(monkeypa
         cli.main()
     assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    (tmp_path / "plain").write_text("")  # the mode any new file gets under this umask
+    assert {p.name: p.stat().st_mode for p in out.iterdir()} == dict.fromkeys(
+        EXPORT_FILES, (tmp_path / "plain").stat().st_mode
+    )  # model.safetensors too, not safetensors' own 0o600
     (out / "notes.md").write_text("mine")
     before = tree_bytes(tmp_path)
     err = stagelm(monkeypatch, capsys, "export-hf", str(model_dir), str(out))
@@ -361,6 +372,8 @@ def stage_cmd(script: str, micro_data: Path, model: Path | None = None) -> list[
         + ["--tokenizer", str(tokenizer / "tokenizer.json"), "--out", "out", "--checkpoints", "ckpt"],
         "eval.py": ["--model", str(model), "--name", "m", "--format", "chat", "--val", str(packed / "val")]
         + ["--raw", str(micro_data / "raw"), "--out", "eval"],
+        "benchmark.py": ["--packed", str(packed / "train"), "--out", "bench"],
+        "download.py": ["--out", "raw"],
     }[script]
     return [sys.executable, str(ROOT / "stages" / script), *args]
 
@@ -369,7 +382,11 @@ SIZES = [  # (script, params edit, the start of the one-line error)
     ("pack.py", {"pack": {"seq_len": 1_000_000_000}}, "pack.seq_len: a shard of pack.rows_per_shard 32 rows × "),
     ("pretrain.py", {"model": {"n_layers": 1_000_000}}, "model: 9,280,009,632 parameters with their gradients"),
     ("pretrain.py", {"training": {"batch_size": 10_000}}, "training.batch_size: 10000 × training.grad_accum 1 rows"),
-    ("eval.py", {"eval": {"max_new_tokens": 100_000_000}}, "eval.max_new_tokens: a KV cache of eval.task_batch_size"),
+    ("eval.py", {"eval": {"max_new_tokens": 100_000_000}}, "eval.max_new_tokens: generating "),
+    ("benchmark.py", {"benchmark": {"matmul_size": 10_000_000}}, "benchmark.matmul_size: the benchmark's matmul"),
+    ("benchmark.py", {"benchmark": {"seq_len": 100_000_000}}, "benchmark.seq_len: the benchmark's seq_len measure"),
+    ("benchmark.py", {"benchmark": {"new_tokens": 10_000_000}}, "benchmark.new_tokens: the benchmark's new_tokens"),
+    ("download.py", {"data": {"num_documents": 10_000_000_000}}, "data.num_documents: generating 10,000,000,000"),
 ]
 
 
@@ -383,6 +400,24 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating(
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: {words}"), err
     assert "available" in err or "rows" in err
     assert not [p for p in tmp_path.iterdir() if p.name != "params.yaml"]  # nothing written
+    if "available" in err:  # a size the memory cannot hold (not one the data cannot fill)
+        (tmp_path / "inputs").mkdir()
+        monkeypatch.setattr(sys, "argv", ["stagelm", "check", "--pipeline", str(ROOT / "dvc.yaml")])
+        cli.main()  # `stagelm check` says so too, before any stage runs (a warning: another machine may fit it)
+        assert "warning: " in capsys.readouterr().out
+
+
+def test_eval_counts_what_generating_long_answers_allocates(capsys, micro_data, pretrained, tmp_path, monkeypatch):
+    """Round four's case on a 4 GiB machine: 50 answers at a time of up to 100,000 tokens. The KV
+    cache alone (2.4 GiB) fits; the decode loop's prefill and the answers' text do not."""
+    from stagelm import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 4 << 30)
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", micro_params(eval={"max_new_tokens": 100_000, "task_batch_size": 50}))
+    code, err = run_in_process(stage_cmd("eval.py", micro_data, pretrained), capsys)
+    assert code == 2 and err.startswith("error: eval.max_new_tokens: generating ") and "4.0 GiB is available" in err
+    assert not [p for p in tmp_path.iterdir() if p.name != "params.yaml"]
 
 
 @pytest.mark.parametrize(
@@ -397,3 +432,81 @@ def test_generate_refuses_what_it_cannot_use(monkeypatch, capsys, model_dir, fla
     prompt = [] if "--prompt" in flags else ["--prompt", "a"]
     err = stagelm(monkeypatch, capsys, "generate", str(model_dir), *prompt, *flags)
     assert err == f"error: {message}\n"
+
+
+# --- the multi-process environment: every JAX_* and SLURM_* variable checked, whatever it describes -----
+
+ENVIRONMENTS = [  # (variables, the start of the one-line error)
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}, "JAX_NUM_PROCESSES: not set, but JAX_COORDINATOR_ADDRESS is"),
+    (
+        {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"},
+        "JAX_NUM_PROCESSES: expected an integer >= 1, got '0'",
+    ),
+    ({"JAX_NUM_PROCESSES": "0"}, "JAX_COORDINATOR_ADDRESS: not set, but JAX_NUM_PROCESSES is"),
+    (
+        {"JAX_COORDINATOR_ADDRESS": "127.0.0.1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+        "JAX_COORDINATOR_ADDRESS: '127.0.0.1' is not host:port",
+    ),
+    (
+        {"JAX_COORDINATOR_ADDRESS": "h:99999", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"},
+        "JAX_COORDINATOR_ADDRESS: 'h:99999' is not host:port",
+    ),
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "abc"}, "SLURM_STEP_NUM_TASKS: expected an integer, got 'abc'"),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "-1"}, "SLURM_PROCID: expected an integer >= 0, got '-1'"),
+]
+
+
+@pytest.mark.parametrize(("variables", "words"), ENVIRONMENTS, ids=[w.split(":")[0] for _, w in ENVIRONMENTS])
+@pytest.mark.parametrize("script", ["pack.py", "pretrain.py"])
+def test_every_stage_that_runs_as_processes_checks_their_variables(
+    capsys, micro_data, tmp_path, monkeypatch, script, variables, words
+):
+    """pack joins through `distributed.join()`, training through `initialize()`: the same checks,
+    before any early return for one process (a cluster would otherwise run N whole copies)."""
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", micro_params())
+    code, err = run_in_process(stage_cmd(script, micro_data), capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: {words}"), err
+    assert not [p for p in tmp_path.iterdir() if p.name != "params.yaml"]
+
+
+# --- data.* paths: the right key, the project's own folders, text that is text -----------------------
+
+
+@pytest.mark.parametrize("inputs", [".", "..", "/"])
+def test_data_inputs_must_be_a_folder_inside_the_project(monkeypatch, capsys, tmp_path, inputs):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", micro_params(data={"inputs": inputs}))
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    err = stagelm(monkeypatch, capsys, "check")
+    assert err.startswith(f"error: data.inputs: {inputs!r} is ") and ("the project itself" in err or "outside" in err)
+    code, err = run_in_process([sys.executable, str(ROOT / "stages/params.py"), "--out", "stamp.json"], capsys)
+    assert code == 2 and err.startswith("error: data.inputs: ") and not Path("stamp.json").exists()
+
+
+def test_a_missing_task_file_names_its_own_key(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("inputs").mkdir()
+    write_params(tmp_path / "params.yaml", micro_params(data={"eval_files": "inputs/nowhere.jsonl"}))
+    code, err = run_in_process(stage_cmd("download.py", Path()), capsys)
+    assert code == 2 and err.startswith("error: data.eval_files: 'inputs/nowhere.jsonl' matches no "), err
+
+
+@pytest.mark.parametrize("where", ["corpus", "sft_files"])
+def test_a_lone_surrogate_is_refused_naming_the_file_and_line(capsys, tmp_path, monkeypatch, where):
+    """JSON's `\\ud800` decodes to a code point no UTF-8 file or tokenizer can hold."""
+    monkeypatch.chdir(tmp_path)
+    Path("inputs").mkdir()
+    good = json.dumps({"text": "a fine document"}) if where == "corpus" else json.dumps(CHAT)
+    bad = '{"text": "bad \\ud800 text"}' if where == "corpus" else json.dumps(CHAT).replace("hello", "he\\ud800llo")
+    Path("inputs/f.jsonl").write_text(good + "\n" + bad + "\n")
+    key = {"source": "files:inputs/f.jsonl"} if where == "corpus" else {"sft_files": "inputs/f.jsonl"}
+    write_params(tmp_path / "params.yaml", micro_params(data=key))
+    code, err = run_in_process(stage_cmd("download.py", Path()), capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: inputs/f.jsonl:2: holds a lone surrogate escape (\\ud800"), err
+    assert not Path("raw").exists()

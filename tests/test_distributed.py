@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -140,6 +141,40 @@ def test_launch_prefix_and_bad_variables(micro_data, tmp_path):
     assert out.stderr.strip() == (
         "error: launch.command: cannot run 'no-such-launcher' (No such file or directory); fix launch.command"
     )
+
+
+def launch_one_of_two(micro_data, work: Path, address: str, index: int, timeout: int) -> tuple[int, str, float]:
+    """`timeout -s TERM <timeout> stagelm launch <pretrain>` as process `index` of two whose
+    coordinator is `address`: (exit code, stderr, seconds it lived)."""
+    variables = {"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(index)}
+    cmd = ["timeout", "-s", "TERM", str(timeout), str(BIN / "stagelm"), "launch", *command(micro_data, work)]
+    t0 = time.perf_counter()
+    out = run(cmd, work, check=False, env=env(1, **variables), timeout=120)
+    return out.returncode, out.stderr, time.perf_counter() - t0
+
+
+def test_an_unreachable_coordinator_ends_in_one_line_or_at_sigterm(micro_data, tmp_path):
+    """Round four's hang: a join that cannot reach its coordinator sat out JAX's 300 s and
+    ignored SIGTERM (the handler cannot run inside JAX's C++ join). Now SIGTERM ends it at once,
+    `launch.initialization_timeout` bounds it with one line naming the address, and a host that
+    does not resolve fails at once."""
+    write_params(tmp_path / "params.yaml", micro_params())  # initialization_timeout: 300 s
+    nobody = f"127.0.0.1:{free_port()}"
+    for index in (1, 0):  # process 1 waits for the coordinator; process 0 is it, waiting for process 1
+        code, err, seconds = launch_one_of_two(micro_data, tmp_path, nobody, index, timeout=8)
+        assert code == 124 and seconds < 8 + 30, (index, code, seconds, err)
+        assert "Traceback" not in err and "Check failure" not in err
+    code, err, seconds = launch_one_of_two(micro_data, tmp_path, "no.such.host.invalid:1234", 1, timeout=60)
+    assert code == 2 and seconds < 30, (code, seconds, err)
+    assert err.strip().splitlines()[-1].startswith("error: JAX_COORDINATOR_ADDRESS: the host 'no.such.host.invalid'")
+    write_params(tmp_path / "params.yaml", micro_params(launch={"command": "", "initialization_timeout": 3}))
+    code, err, seconds = launch_one_of_two(micro_data, tmp_path, nobody, 1, timeout=60)
+    assert code == 2 and seconds < 30, (code, seconds, err)
+    assert err.strip().splitlines()[-1] == (
+        f"error: JAX_COORDINATOR_ADDRESS: the coordinator at {nobody} did not answer within 3 s "
+        "(launch.initialization_timeout); check that process 0 runs there and that the port is open between the hosts"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_pack_in_two_processes_writes_the_one_process_bytes(micro_data, tmp_path):

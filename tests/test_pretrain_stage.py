@@ -83,8 +83,13 @@ def test_changed_lr_starts_fresh_and_same_params_resume(micro_data, tmp_path):
     write_params(tmp_path / "params.yaml", micro_params())
     first = run(command(micro_data, tmp_path), tmp_path)
     assert "starting fresh at step 0: no checkpoint yet" in first.stdout
+    metrics = (tmp_path / "out/metrics.json").read_bytes()
+    (tmp_path / "out/metrics.json").unlink()  # what `dvc repro -f` does before it reruns the stage
     again = run(command(micro_data, tmp_path), tmp_path)
     assert "resuming from step 12" in again.stdout  # the final checkpoint: nothing left to train
+    # ... and its metrics come back as the run wrote them, timings too (saved with the checkpoint)
+    assert (tmp_path / "out/metrics.json").read_bytes() == metrics
+    assert read_json(tmp_path / "out/metrics.json")["tokens_per_sec"] > 0
     write_params(tmp_path / "params.yaml", micro_params(training={"lr": 1e-3}))
     changed = run(command(micro_data, tmp_path), tmp_path)
     assert "starting fresh at step 0: checkpoints exist only for other fingerprints" in changed.stdout

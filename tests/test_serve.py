@@ -177,6 +177,49 @@ def test_streamed_and_whole_answers_agree(trained, kind):
     assert len({text for text, _ in expected.values()}) > 1  # n choices are sampled apart
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streamed_usage_comes_last_when_asked_for(trained, kind):
+    """stream_options.include_usage, as OpenAI defines it: `usage: null` on every chunk, then one
+    chunk with no choices and the usage of all n choices, the one a whole answer reports."""
+    request = {"temperature": 0.9, "seed": 3, "n": 2, "max_tokens": 12}
+    client = trained.client()
+    if kind == "chat":
+        request["messages"] = [{"role": "user", "content": "What is 2 plus 2?"}]
+        whole = client.chat.completions.create(model=NAME, **request)
+        events = list(
+            client.chat.completions.create(model=NAME, stream=True, **request, stream_options={"include_usage": True})
+        )
+    else:
+        request["prompt"] = "Once upon a time,"
+        whole = client.completions.create(model=NAME, **request)
+        events = list(
+            client.completions.create(model=NAME, stream=True, **request, stream_options={"include_usage": True})
+        )
+    *pieces, last = events
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+    assert pieces and all(e.usage is None and e.choices for e in pieces)
+    plain = {"model": NAME, "prompt": "x", "max_tokens": 2, "stream": True}
+    for options in (None, {"include_usage": False}):
+        status, body = stream_lines(trained, {**plain, "stream_options": options})
+        assert status == 200 and '"usage"' not in body  # absent or false: chunks as before
+    for bad, words in (
+        ({"stream_options": "yes"}, "expected an object"),
+        ({"stream": False, "stream_options": {}}, "only allowed with stream"),
+    ):
+        status, answer, _ = trained.post("/v1/completions", {**plain, **bad})
+        assert status == 400 and answer["error"]["param"] == "stream_options" and words in answer["error"]["message"]
+    bad_flag = {**plain, "stream_options": {"include_usage": "yes"}}
+    assert trained.post("/v1/completions", bad_flag)[0] == 400
+
+
+def stream_lines(server: Server, body: dict) -> tuple[int, str]:
+    """(status, the whole event stream as text) of a streamed POST."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, response.read().decode()
+
+
 def test_a_stop_string_cuts_the_answer_in_both_modes(long):
     request = {"prompt": "Once upon a time,", "temperature": 1.0, "seed": 5, "max_tokens": 24}  # varied text
     text = long.client().completions.create(model=NAME, **request).choices[0].text
@@ -422,6 +465,27 @@ def test_ports_and_slots_are_checked_before_the_model_loads(long_model, tmp_path
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("error: --slots: 10000000 slots × 2048 positions of KV cache needs ")
     assert "GiB, but " in result.stderr and "is available; lower it" in result.stderr
+
+
+def test_sigterm_stops_a_server_without_pipeline_advice(long_model, tmp_path):
+    """A server is no stage: stopped while it loads and compiles, it says which signal stopped
+    it and nothing about `dvc repro` or checkpoints; once serving, uvicorn stops it quietly."""
+    for wait in (3.0, None):  # during the warm-up (16 batch sizes to compile), then once it serves
+        log = tmp_path / f"serve-{wait}.log"
+        if wait is None:
+            server = Server(long_model, log)
+            proc = server.proc
+        else:
+            cmd = ["stagelm", "serve", str(long_model), "--port", "0"]
+            proc = subprocess.Popen(cmd, env=env_with_venv(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+            time.sleep(wait)
+            assert proc.poll() is None and "on http://" not in log.read_text()  # still getting ready
+        proc.terminate()
+        proc.wait(timeout=30)
+        text = log.read_text()
+        assert "dvc repro" not in text and "checkpoint" not in text and "Traceback" not in text, text
+        if proc.returncode == 128 + 15:  # stopped by stagelm's own handler
+            assert text.strip().splitlines()[-1] == "interrupted by SIGTERM", text
 
 
 def test_slow_clients_cannot_lock_out_a_good_one(long_model, tmp_path):

@@ -25,6 +25,7 @@ stagelm deps stages/<stage>.py [-- flags]
 import argparse
 import os
 import shlex
+import shutil
 from pathlib import Path
 
 from stagelm.config import SECTIONS, load_section, read_params, read_yaml, require_inputs, validate_params
@@ -105,26 +106,43 @@ def print_estimates(sections: dict) -> None:
 
     from stagelm.memory import (
         HEADROOM,
+        benchmark_bytes,
+        generation_bytes,
         gib,
         host_available,
-        kv_cache_bytes,
         pack_buffer_bytes,
         param_count,
+        train_step_bytes,
         training_state_bytes,
     )
 
     model, vocab, seq = sections["model"], sections["tokenizer"].vocab_size, sections["pack"].seq_len
     shape = SimpleNamespace(
-        n_layers=model.n_layers, n_kv_heads=model.n_kv_heads, dtype=model.dtype, head_dim=model.d_model // model.n_heads
+        **model.shape(), vocab_size=vocab, dtype=model.dtype, head_dim=model.d_model // model.n_heads
     )
     n = param_count(vocab, **model.shape(), tie_embeddings=model.tie_embeddings)
-    ev, grpo = sections["eval"], sections["grpo"]
+    ev, grpo, bench = sections["eval"], sections["grpo"], sections["benchmark"]
+    prompt = 64  # a generous prompt width for the task families' prompts
+    rollout = grpo.prompts_per_step * grpo.group_size // grpo.grad_accum
     estimates = {
         "model (parameters, gradients, Adam's moments)": training_state_bytes(n, model.param_dtype),
+        "pretrain (a train step's activations)": train_step_bytes(shape, sections["training"].batch_size, seq),
         "pack (a shard's buffers)": pack_buffer_bytes(sections["pack"].rows_per_shard, seq + 1),
-        "eval (KV cache)": kv_cache_bytes(shape, ev.task_batch_size, seq + ev.max_new_tokens),
-        "grpo (rollouts' KV cache)": kv_cache_bytes(shape, grpo.prompts_per_step * grpo.group_size, seq),
+        "eval (generation)": generation_bytes(shape, ev.task_batch_size, prompt, ev.max_new_tokens),
+        "grpo (sampling a rollout)": generation_bytes(shape, rollout, prompt, grpo.max_new_tokens),
+        **{f"benchmark ({key})": need for key, need in benchmark_bytes(bench).items()},
     }
+    data = sections["data"]
+    if data.source == "synthetic":
+        from stagelm.download import synthetic_corpus_bytes
+
+        memory, disk = synthetic_corpus_bytes(data)
+        estimates["download (the synthetic corpus, generated in memory)"] = memory
+        free = shutil.disk_usage(".").free
+        fits = disk <= free
+        print(
+            f"{'ok' if fits else 'warning'}: download (the synthetic corpus on disk): about {gib(disk)} of {gib(free)}"
+        )
     have = host_available()
     for what, need in estimates.items():
         fits = have is None or need + HEADROOM <= have
@@ -366,7 +384,7 @@ def main() -> None:
     im.add_argument("out_dir", type=Path)
     im.set_defaults(func=import_hf)
     args = parser.parse_args()
-    run_main(lambda: args.func(args))
+    run_main(lambda: args.func(args), interrupted=None)  # a command, not a stage: no rerun to speak of
 
 
 if __name__ == "__main__":

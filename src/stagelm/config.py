@@ -112,9 +112,20 @@ class DataConfig:
                 )
 
 
-def require_inputs(cfg: DataConfig) -> None:
-    """Fail, naming the key, when `data.inputs` (a dependency of the download stage) is not a folder."""
-    if not Path(cfg.inputs).expanduser().is_dir():
+def require_inputs(cfg: DataConfig, project: Path | None = None) -> None:
+    """Fail, naming the key, unless `data.inputs` (a dependency of the download stage) is a
+    folder inside the project (`project`, default the working directory, where dvc runs) and
+    not the project itself: DVC cannot hash the folder that holds its own .dvc/ and outputs."""
+    root = (project or Path.cwd()).resolve()
+    folder = Path(cfg.inputs).expanduser()
+    where = (root / folder).resolve()
+    if where == root or not where.is_relative_to(root):
+        place = "the project itself" if where == root else f"outside the project {root}"
+        raise StagelmError(
+            f"data.inputs: {cfg.inputs!r} is {place}; give a folder inside it that holds only your corpus "
+            "and task files (the repository ships inputs/)"
+        )
+    if not where.is_dir():
         raise StagelmError(
             f"data.inputs: {cfg.inputs!r} is not a folder; create it (the repository ships inputs/) "
             "or point data.inputs at the folder holding your corpus"
@@ -272,6 +283,10 @@ class LaunchConfig:
 
     command: str = param(
         'prefix the pack and training stages start behind, e.g. srun --ntasks-per-node=4; "" = one local process'
+    )
+    initialization_timeout: int = param(
+        "seconds a process of several waits to join JAX's runtime before it gives up, naming the coordinator",
+        POSITIVE,
     )
 
     def validate(self, prefix: str) -> None:

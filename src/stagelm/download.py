@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import random
+import shutil
 import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -42,6 +43,7 @@ from stagelm import synthetic
 from stagelm.config import DataConfig
 from stagelm.errors import StagelmError
 from stagelm.files import sha256_file, write_json
+from stagelm.memory import gib, host_available, require_memory
 from stagelm.tasks import FAMILIES, Task, select, spec_problem
 
 KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -55,6 +57,39 @@ READ_CHUNK = 4 << 20  # bytes read at a time from a text file
 # --- the stage ------------------------------------------------------------------------
 
 
+# Measured on the default synthetic corpus: Parquet holds it in 0.36 byte a character; the
+# estimate rounds up. Python holds a document as a str (49 bytes and one a character, for
+# ASCII) in three lists (the corpus, then its split): 49 + 3 × 8 bytes beside its characters.
+PARQUET_BYTES_PER_CHAR = 0.5
+STR_OVERHEAD = 49 + 3 * 8
+SAMPLE_DOCUMENTS = 256
+
+
+def synthetic_corpus_bytes(cfg: DataConfig) -> tuple[int, int]:
+    """(bytes of memory, bytes on disk) the synthetic corpus of `cfg` will take: the mean
+    document length of a small sample from the same generator, times `data.num_documents`.
+    The corpus is generated whole in memory before it is written (the task sets are drawn
+    from the same stream after it)."""
+    families = select(cfg.families, "data.families")
+    sample = synthetic.generate(cfg.seed, SAMPLE_DOCUMENTS, 0, 0, 1, families)["corpus"]
+    mean = sum(len(d) for d in sample) / max(len(sample), 1)
+    return int(cfg.num_documents * (mean + STR_OVERHEAD)), int(cfg.num_documents * mean * PARQUET_BYTES_PER_CHAR)
+
+
+def require_synthetic_room(cfg: DataConfig, out_dir: Path) -> None:
+    """Refuse, naming data.num_documents, a synthetic corpus that the memory (with the headroom
+    the other checks keep) or the free disk under `out_dir` cannot hold."""
+    memory, disk = synthetic_corpus_bytes(cfg)
+    what = f"{cfg.num_documents:,} synthetic documents"
+    require_memory(memory, "data.num_documents", f"generating {what} in memory", have=host_available())
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if disk > free:
+        raise StagelmError(
+            f"data.num_documents: {what} need about {gib(disk)} on disk, but {existing} has {gib(free)} free; lower it"
+        )
+
+
 def write_download(cfg: DataConfig, out_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     """Stream the corpus of `data.source` into `out_dir` (Parquet per split and task set,
     manifest.json last); return the manifest and the input files read (none for synthetic/hf).
@@ -63,6 +98,8 @@ def write_download(cfg: DataConfig, out_dir: Path) -> tuple[dict[str, Any], list
     was, and a run killed while renaming leaves no manifest, so nothing looks done."""
     is_synthetic = cfg.source == "synthetic"
     families = select(cfg.families, "data.families")
+    if is_synthetic:
+        require_synthetic_room(cfg, out_dir)
     generated = synthetic.generate(
         cfg.seed, cfg.num_documents if is_synthetic else 0, cfg.num_sft, cfg.num_rl, cfg.num_eval, families
     )
@@ -176,22 +213,24 @@ def file_kind(path: Path) -> str | None:
     return None if kind == "parquet" and name != path.name else kind
 
 
-def match_files(pattern: str) -> list[Path]:
-    """The corpus files a path, directory or glob names, sorted by path; all of one kind."""
+def match_files(pattern: str, key: str = "data.source") -> list[Path]:
+    """The corpus files a path, directory or glob names, sorted by path; all of one kind. Errors
+    name `key`, the params key that gave the pattern."""
     path = Path(pattern)
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if not hidden(p.relative_to(path)))
     else:  # glob leaves out hidden names unless the pattern spells them
         found = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
     found = [p for p in found if p.is_file() and file_kind(p)]
+    given = f"'files:{pattern}'" if key == "data.source" else repr(pattern)
     if not found:
         raise StagelmError(
-            f"data.source: 'files:{pattern}' matches no .txt, .jsonl, .json, .csv or .parquet file "
+            f"{key}: {given} matches no .txt, .jsonl, .json, .csv or .parquet file "
             f"(optionally {', '.join(COMPRESSIONS)}); check the path or glob"
         )
     kinds = {file_kind(p) for p in found}
     if len(kinds) > 1:
-        raise StagelmError(f"data.source: 'files:{pattern}' mixes file kinds {sorted(kinds)}; use one kind")
+        raise StagelmError(f"{key}: {given} mixes file kinds {sorted(kinds)}; use one kind")
     return found
 
 
@@ -302,7 +341,20 @@ def row_text(row: Any, field: str, where: str) -> str:
     text = row[field]
     if text is not None and not isinstance(text, str):
         raise StagelmError(f"data.text_field: column {field!r} of {where} is not text")
-    return text or ""
+    return require_text(text or "", where)
+
+
+def require_text(value: str, where: str) -> str:
+    """`value`, unless it holds a lone surrogate: JSON's `\\ud800`-`\\udfff` escapes decode to
+    code points UTF-8 cannot carry, so no tokenizer or Parquet file can take them."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as err:
+        raise StagelmError(
+            f"{where}: holds a lone surrogate escape (\\u{ord(value[err.start]):04x} at character {err.start}), "
+            "not text; fix or remove it"
+        ) from None
+    return value
 
 
 def read_csv(path: Path, field: str) -> Iterator[list[str]]:
@@ -386,7 +438,7 @@ def hf_texts(batches: Iterator[dict[str, list]], field: str, where: str) -> Iter
             texts = batch[field]
             if any(t is not None and not isinstance(t, str) for t in texts):
                 raise StagelmError(f"data.text_field: column {field!r} of {where} is not text")
-            yield [t or "" for t in texts]
+            yield [require_text(t or "", f"{where}, a {field!r} value") for t in texts]
     except StagelmError:
         raise
     except Exception as err:
@@ -442,7 +494,7 @@ def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
     file, line and field. Rows keep only the schema's fields, so Arrow sees one type per column."""
     rows = []
     key = f"data.{name}_files"
-    for file in match_files(path):
+    for file in match_files(path, key):
         for i, line in enumerate(open_stream(file), 1):
             if not line.strip():
                 continue
@@ -452,6 +504,7 @@ def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
                 row = None
             if not isinstance(row, dict):
                 raise StagelmError(f"{file}:{i}: not a JSON object; {key} must be jsonl, one task per line")
+            require_text(json.dumps(row, ensure_ascii=False), f"{file}:{i}")
             try:
                 rows.append(sft_row(row) if name == "sft" else task_file_row(row))
             except ValueError as err:

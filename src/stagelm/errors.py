@@ -32,11 +32,21 @@ class StagelmError(Exception):
     """An error caused by the user's params, data or files, reported as one line."""
 
 
-def stop_at_once(signum: int, frame: object) -> None:
-    name = signal.Signals(signum).name
-    print(f"interrupted by {name}: the next `dvc repro` resumes from the last checkpoint", file=sys.stderr)
-    sys.stderr.flush()
-    os._exit(128 + signum)
+# What a stage says when a signal stops it; commands (serve, generate) say only what stopped them.
+STAGE_INTERRUPTED = "`dvc repro` reruns the stage (a training stage resumes from its last checkpoint)"
+
+
+def stop_at_once(after: str | None) -> Callable[[int, object], None]:
+    """A signal handler that says which signal stopped the process (and `after`, what happens
+    next) and exits at once with 128 + the signal's number."""
+
+    def handler(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        print(f"interrupted by {name}" + (f"; {after}" if after else ""), file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    return handler
 
 
 # What to do about an OS error, by errno: the line names the path, what happened and this.
@@ -86,12 +96,14 @@ def one_of_several() -> bool:
     return jax is not None and jax.distributed.is_initialized()
 
 
-def run_main(main: Callable[[], object]) -> None:
+def run_main(main: Callable[[], object], interrupted: str | None = STAGE_INTERRUPTED) -> None:
     """Run an entry point; turn a user error (StagelmError, an OS error, undecodable or
     too-deep input, a device out of memory) into one stderr line and exit code 2. Any
-    other exception is a bug and keeps its traceback."""
+    other exception is a bug and keeps its traceback. SIGINT and SIGTERM end it at once,
+    saying `interrupted` (what happens next) after the signal's name."""
     restart_with_huge_pages()
-    previous = {sig: signal.signal(sig, stop_at_once) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handler = stop_at_once(interrupted)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         main()
     except Exception as err:

@@ -1,11 +1,13 @@
 """Small file helpers shared by every stage: atomic writes, sha256, JSON."""
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +27,37 @@ def file_mode() -> int:
     return 0o666 & ~umask
 
 
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """Give `path` to the OS errors raised inside that name no file: a failed write (a full
+    disk) reports only its errno, and the one line the user reads must say where."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror or os.strerror(err.errno), str(path)) from None
+        raise
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file and a rename, so readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming(path), os.fdopen(fd, "wb") as f:
             f.write(data)
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def copy_file(source: str | Path, dest: str | Path) -> None:
+    """Copy `source` to `dest` atomically, with `dest`'s mode as a new file's; an error while
+    writing names `dest` (shutil names the source even when the destination's disk is full)."""
+    atomic_write_bytes(dest, Path(source).read_bytes())
 
 
 def replace_folder(new: Path, old: Path) -> None:

@@ -40,7 +40,7 @@ from flax import nnx
 
 from stagelm.config import GrpoConfig
 from stagelm.errors import StagelmError
-from stagelm.generate import Generator, Sampling
+from stagelm.generate import BUCKET, Generator, Sampling
 from stagelm.rawdata import read_raw
 from stagelm.sharding import mine, to_host
 from stagelm.tasks import REGISTRY, check_answer, step_credit
@@ -226,6 +226,7 @@ class Rollouts:
         self.prompts = [chat_prompt_ids(gen.tokenizer, t["chat_prompt"]) for t in self.tasks]
         self.specs = [json.loads(t["spec"]) for t in self.tasks]
         longest = max(len(p) for p in self.prompts)
+        self.prompt_width = min(-(-longest // BUCKET) * BUCKET, gen.capacity)  # the widest layout of a rollout
         if longest + cfg.max_new_tokens > gen.capacity:
             raise StagelmError(
                 f"grpo.max_new_tokens: {cfg.max_new_tokens} plus the longest rl prompt ({longest} tokens) "

@@ -16,8 +16,6 @@ rope scaling, another activation) with one line naming the field.
 
 import dataclasses
 import json
-import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from stagelm.errors import StagelmError
-from stagelm.files import read_json_object, write_json
+from stagelm.files import atomic_write_bytes, copy_file, read_json_object, write_json
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.tokenizer import ASSISTANT, BOS, END, EOS, PAD, USER
 
@@ -120,8 +118,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
 
     The files go to a temporary folder beside `out_dir`, which then replaces it: a failed
     or killed export leaves the previous one (or none) and never half of one."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     from stagelm.modeldir import load_model, read_model_context
 
@@ -144,13 +141,9 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     try:
-        try:
-            save_file(hf_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        except SafetensorError as err:  # its I/O errors carry the OS error's number in the text
-            code = re.search(r"os error (\d+)", str(err))
-            if code is None:
-                raise
-            raise OSError(int(code[1]), os.strerror(int(code[1])), str(out_dir)) from None
+        # Through the atomic writer, as every other file: the mode a new file gets (0o666 less the
+        # umask; safetensors' own writer leaves 0o600), and a failed write names the file.
+        atomic_write_bytes(tmp / "model.safetensors", save(hf_tensors(model), metadata={"format": "pt"}))
         write_json(tmp / "config.json", hf_config(model.cfg, context, special))
         generation = {
             "bos_token_id": special[BOS],
@@ -158,7 +151,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
             "pad_token_id": special[PAD],
         }
         write_json(tmp / "generation_config.json", generation)
-        shutil.copyfile(model_dir / "tokenizer.json", tmp / "tokenizer.json")
+        copy_file(model_dir / "tokenizer.json", tmp / "tokenizer.json")
         write_json(tmp / "tokenizer_config.json", tokenizer_config(context))
         if out_dir.exists():
             out_dir.rename(old)

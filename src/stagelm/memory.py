@@ -12,6 +12,7 @@ kernel's MemAvailable and what the process's cgroup still allows.
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from stagelm.errors import StagelmError
@@ -51,6 +52,49 @@ def kv_cache_bytes(cfg: Any, rows: int, length: int) -> int:
     keys and values of every layer, plus the int32 segment and position of each slot."""
     per_position = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(cfg.dtype) + 8
     return rows * length * per_position
+
+
+def generation_bytes(cfg: Any, rows: int, width: int, max_new: int) -> int:
+    """What the jitted decode loop (`generate.Generator`) allocates for `rows` prompts laid out
+    `width` tokens wide and `max_new` new tokens, by arithmetic on the shapes: the KV cache of
+    width + max_new slots twice (the loop carries it in and out), the prefill's float32 scores
+    and softmax weights of one layer, its logits and MLP activations, and the tokens and
+    statistics out. tests/test_memory.py holds it against XLA's own figures for the compiled
+    loop: never below them, at most three times them."""
+    slots = width + max_new
+    scores = 2 * rows * cfg.n_heads * width * slots * 4
+    prefill = rows * width * (cfg.vocab_size + 2 * cfg.d_ff + 4 * cfg.d_model) * dtype_bytes(cfg.dtype)
+    return 2 * kv_cache_bytes(cfg, rows, slots) + scores + prefill + rows * max_new * 12
+
+
+def train_step_bytes(cfg: Any, rows: int, seq_len: int) -> int:
+    """A train step's memory beside the state by arithmetic (what `trainloop.require_step_memory`
+    reads from XLA once the step is compiled): per layer, the activations the backward pass
+    keeps and the float32 attention weights; the logits and their gradient; the gradients."""
+    tokens = rows * seq_len
+    width = dtype_bytes(cfg.dtype)
+    per_layer = tokens * (12 * cfg.d_model + 6 * cfg.d_ff) * width + 2 * rows * cfg.n_heads * seq_len * seq_len * 4
+    logits = 3 * tokens * cfg.vocab_size * 4
+    n = param_count(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff)
+    return cfg.n_layers * per_layer + logits + n * 4
+
+
+def benchmark_bytes(cfg: Any) -> dict[str, int]:
+    """What each of the benchmark stage's measures allocates (`config.BenchmarkConfig`), by key:
+    the matmul, the train step with its state, and cached and naive decoding at batch 8."""
+    shape = SimpleNamespace(
+        vocab_size=cfg.vocab_size, **cfg.shape(), dtype=cfg.dtype, head_dim=cfg.d_model // cfg.n_heads
+    )
+    n = param_count(cfg.vocab_size, **cfg.shape())
+    slots = cfg.prompt_len + cfg.new_tokens
+    return {
+        "benchmark.matmul_size": 3 * cfg.matmul_size**2 * dtype_bytes(cfg.dtype),
+        "benchmark.seq_len": training_state_bytes(n, "float32") + train_step_bytes(shape, cfg.batch_size, cfg.seq_len),
+        "benchmark.new_tokens": max(
+            generation_bytes(shape, 8, cfg.prompt_len, cfg.new_tokens),
+            2 * 8 * cfg.n_heads * slots * slots * 4 + 8 * slots * cfg.vocab_size * 4,  # naive: whole prefixes
+        ),
+    }
 
 
 def cgroup_limit() -> int | None:

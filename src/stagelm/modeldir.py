@@ -18,7 +18,6 @@ sharded, asynchronous, resumable.
 
 import dataclasses
 import json
-import shutil
 import typing
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stagelm.config import POSITIVE, check_value, one_of
+from stagelm.config import NON_NEGATIVE, POSITIVE, ModelConfig, check_value
 from stagelm.errors import StagelmError
-from stagelm.files import atomic_write_bytes, read_json_object, sha256_file, write_json
+from stagelm.files import atomic_write_bytes, copy_file, read_json_object, sha256_file, write_json
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.sharding import param_shardings
 
@@ -95,14 +94,20 @@ def save_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     save_tensors(out_dir / PARAMS_FILE, nnx.state(model, nnx.Param))
     if jax.process_index() == 0:
-        shutil.copyfile(tokenizer_file, out_dir / "tokenizer.json")
+        copy_file(tokenizer_file, out_dir / "tokenizer.json")
         hashes = {"params_sha256": sha256_file(out_dir / PARAMS_FILE), "tokenizer_sha256": sha256_file(tokenizer_file)}
         write_json(out_dir / "config.json", {**model.cfg.__dict__, **hashes, **(extra or {})})
 
 
-# config.json fields that are not DecoderConfig's own, with their checks.
-DTYPE = one_of("float32", "bfloat16", "float16")
-FIELD_CHECKS = {"vocab_size": POSITIVE, "dtype": DTYPE, "param_dtype": DTYPE, "remat": one_of("none", "block")}
+# config.json's fields are checked by params.yaml's rules for the same keys (`ModelConfig`'s: so
+# `rope_theta: -1` is refused here as in params.yaml), and these for the fields it lacks.
+FIELD_CHECKS = {
+    **{f.name: f.metadata.get("check") for f in dataclasses.fields(ModelConfig) if f.metadata.get("check")},
+    "vocab_size": POSITIVE,
+    "lora_rank": NON_NEGATIVE,
+    "lora_alpha": NON_NEGATIVE,
+    "lora_dropout": (lambda v: 0 <= v < 1, "a {type} in [0, 1)"),
+}
 
 
 def model_config_json(model_dir: str | Path) -> dict[str, Any]:
@@ -125,7 +130,7 @@ def read_model_config(model_dir: str | Path) -> DecoderConfig:
                 raise StagelmError(f"{path}: {field.name} missing; not a stagelm model config (rerun its stage)")
             continue
         hint = list[str] if field.name == "lora_targets" else hints[field.name]
-        check = field.metadata.get("check") or FIELD_CHECKS.get(field.name)
+        check = FIELD_CHECKS.get(field.name)
         values[field.name] = check_value(raw[field.name], hint, f"{path}: {field.name}", check)
     cfg = DecoderConfig(**values)
     try:

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
-from stagelm.files import sha256_file, write_json
+from stagelm.files import naming, sha256_file, write_json
 from stagelm.shards import SCHEMA_VERSION, encode_rows, token_type
 from stagelm.tokenizer import EOS, chat_segments, encode_joined, special_id
 
@@ -128,7 +128,7 @@ class ShardWriter:
         table = encode_rows(part, self.vocab_size)
         path = self.out_dir / f"shard-{len(self.shards) if number is None else number:05d}.arrow"
         tmp = path.with_suffix(".arrow.tmp")
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        with naming(path), pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
         tmp.replace(path)
         self.shards.append({"file": path.name, "rows": n, "sha256": sha256_file(path)})
@@ -266,7 +266,7 @@ def spill_corpus(tok: Tokenizer, batches: Iterable[list[str]], folder: Path, nam
     offset one past its EOS) to `folder/name.ends`: raw arrays, read back by `Spilled`."""
     eos = special_id(tok, EOS)
     end = 0
-    with open(folder / f"{name}.tokens", "wb") as tokens, open(folder / f"{name}.ends", "wb") as ends:
+    with naming(folder), open(folder / f"{name}.tokens", "wb") as tokens, open(folder / f"{name}.ends", "wb") as ends:
         for texts in batches:
             joined, lengths = encode_joined(tok, texts, eos)
             joined.astype(dtype).tofile(tokens)

@@ -35,6 +35,7 @@ import json
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,12 @@ def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
     for s in stop:
         text(s, "stop")
     stream = field(body, "stream", (bool,), False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest(f"stream_options: expected an object, got {json.dumps(options)[:60]}", "stream_options")
+    if options is not None and not stream:
+        raise BadRequest("stream_options: only allowed with stream: true", "stream_options")
+    include_usage = field(options or {}, "include_usage", (bool,), False)
     unsupported(body, n)
     return {
         "max_tokens": max_tokens,
@@ -122,6 +129,7 @@ def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
         "seed": seed,
         "stop": stop,
         "stream": stream,
+        "include_usage": include_usage,
     }
 
 
@@ -231,6 +239,12 @@ class ChoiceText:
         piece = text[self.sent :]
         self.sent = max(self.sent, len(text))
         return piece
+
+
+def usage_of(prompt: list[int], texts: list[ChoiceText]) -> dict[str, int]:
+    """OpenAI's usage of a request: its prompt's tokens once, and the tokens of every choice."""
+    completion = sum(len(t.ids) for t in texts)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
 
 # --- the app ------------------------------------------------------------------------------
@@ -360,7 +374,8 @@ class Server:
         texts = [ChoiceText(self.tokenizer, opts["stop"]) for _ in range(opts["n"])]
         meta = {"id": ident, "created": int(time.time()), "model": self.name}
         if opts["stream"]:
-            chunks = self.stream(request, events, texts, meta, chat)
+            usage = (lambda: usage_of(prompt, texts)) if opts["include_usage"] else None
+            chunks = self.stream(request, events, texts, meta, chat, usage)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(self.watch(http, request, events))
         try:
@@ -380,14 +395,8 @@ class Server:
                 choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
             else:
                 choices.append({"index": i, "text": whole, "finish_reason": finish, "logprobs": None})
-        completion_tokens = sum(len(t.ids) for t in texts)
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt) + completion_tokens,
-        }
         obj = "chat.completion" if chat else "text_completion"
-        return JSONResponse({**meta, "object": obj, "choices": choices, "usage": usage})
+        return JSONResponse({**meta, "object": obj, "choices": choices, "usage": usage_of(prompt, texts)})
 
     @staticmethod
     async def watch(http: Any, request: Request, events: asyncio.Queue) -> None:
@@ -419,9 +428,20 @@ class Server:
                 request.cancel()
         return [str(f) for f in finishes]
 
-    async def stream(self, request: Request, events: asyncio.Queue, texts: list[ChoiceText], meta: dict, chat: bool):
-        """Server-sent events: a chunk per released piece of text, a last chunk per choice, then [DONE]."""
+    async def stream(
+        self,
+        request: Request,
+        events: asyncio.Queue,
+        texts: list[ChoiceText],
+        meta: dict,
+        chat: bool,
+        usage: Callable[[], dict] | None = None,
+    ):
+        """Server-sent events: a chunk per released piece of text, a last chunk per choice, then
+        [DONE]. With `usage` (stream_options.include_usage) every chunk says `"usage": null` and
+        one more chunk, with no choices, carries the usage of every choice before [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
+        extra = {"usage": None} if usage else {}
 
         def chunk(index: int, piece: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
@@ -429,7 +449,7 @@ class Server:
                 choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": index, "text": piece or "", "finish_reason": finish, "logprobs": None}
-            return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+            return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice], **extra})}\n\n"
 
         finishes: list[str | None] = [None] * len(texts)
         try:
@@ -454,6 +474,8 @@ class Server:
                     yield chunk(choice, rest, None)
                 finishes[choice] = "stop" if finish in ("stop", "cancelled") else finish
                 yield chunk(choice, None, finishes[choice])
+            if usage:
+                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             if any(f is None for f in finishes):  # the client closed the connection: free the slots

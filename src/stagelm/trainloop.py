@@ -92,7 +92,7 @@ def start_training(
     """A training stage's start: its command line (`stage.start`), joining jax.distributed
     when launched as one of several processes, and the mesh params.yaml's `mesh` asks for."""
     stage = start(doc, *paths, options=options)
-    initialize()
+    initialize(load_section(stage.params, "launch").initialization_timeout)
     mesh_cfg = load_section(stage.params, "mesh")
     return stage, make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
 
@@ -172,10 +172,12 @@ def train(
 
         ckpt = Checkpoints(checkpoint_root / fingerprint, cfg.keep_checkpoints)
         history, resumed = [], ckpt.latest_step()
+        timer = StepTimer()
         if resumed is not None:
             state, extra = ckpt.restore(resumed, state)
             data.set_state(extra["loader"])
             history = extra["history"]
+            timer.set_state(extra.get("timer"))
             print(f"resuming from step {resumed} (checkpoint {ckpt.directory})", flush=True)
         else:
             others = other_fingerprints(checkpoint_root, fingerprint)
@@ -192,8 +194,6 @@ def train(
         schedule = lr_schedule(cfg)
         start = int(state.step)
         pending: tuple[int, dict, dict] | None = None
-        tokens_per_step = 0
-        timer = StepTimer()
         last_val = None
         host_before = False
 
@@ -214,7 +214,7 @@ def train(
                 **{f"train/{k}": float(v) for k, v in metrics.items() if k not in ("loss", "grad_norm", "tokens")},
                 **host,
             }
-            rate = timer.rate(tokens_per_step)
+            rate = timer.rate()
             if rate is not None:
                 row["perf/tokens_per_sec"] = rate
             log.add(row)
@@ -222,7 +222,7 @@ def train(
         for step in range(start + 1, cfg.steps + 1):
             local, host = data.next(state.params, frozen)
             rows, row_len = local["tokens"].shape
-            tokens_per_step = rows * (row_len - 1) * jax.process_count()
+            timer.tokens_per_step = rows * (row_len - 1) * jax.process_count()
             if host or host_before:
                 timer.pause()  # host-side work (rollouts) is not the train step's time
             host_before = bool(host)
@@ -230,6 +230,7 @@ def train(
             if step == start + 1:  # compiles the step (the call below reuses it) and checks its memory
                 require_step_memory(step_fn, state, frozen, batch, f"{batch_key} (or pack.seq_len)")
             state, metrics = step_fn(state, frozen, batch)
+            jax.block_until_ready(metrics)  # the step's real time, not its dispatch's
             timer.tick(step == start + 1)
             if pending is not None:
                 finish_step(*pending)
@@ -244,14 +245,15 @@ def train(
                 log.add_to_last({"val/loss": last_val})
                 timer.pause()
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                ckpt.save(step, state, {"loader": data.get_state(), "history": log.history}, last_val)
+                extra = {"loader": data.get_state(), "history": log.history, "timer": timer.get_state()}
+                ckpt.save(step, state, extra, last_val)
                 timer.pause()
         if pending is not None:
             finish_step(*pending)
         ckpt.close()
 
     model = nnx.merge(graphdef, state.params, frozen)
-    summary = summarize(log.history, timer, tokens_per_step, flops_per_token, peak_flops)
+    summary = summarize(log.history, timer, flops_per_token, peak_flops)
     log.close(summary)
     return TrainResult(model, log.history, summary, resumed)
 
@@ -269,13 +271,25 @@ def require_step_memory(step_fn: Any, state: Any, frozen: Any, batch: Any, key: 
 
 
 class StepTimer:
-    """Steady-state step times: the first step (compile) and steps after eval/checkpoint pauses are excluded."""
+    """Steady-state step times: the first step (compile) and steps after eval/checkpoint pauses are
+    excluded. Its state goes into every checkpoint, so a resumed run reports the times of the
+    steps before it too, and a run resumed at its last step (`dvc repro -f` of a finished run)
+    writes the summary the run had."""
 
     def __init__(self) -> None:
         self.last: float | None = None
         self.times: list[float] = []
         self.first_call: float | None = None
+        self.tokens_per_step = 0
         self.t0 = time.perf_counter()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"times": self.times, "first_call": self.first_call, "tokens_per_step": self.tokens_per_step}
+
+    def set_state(self, state: dict[str, Any] | None) -> None:
+        if state:  # absent from a checkpoint written before the timer was saved
+            self.times, self.first_call = list(state["times"]), state["first_call"]
+            self.tokens_per_step = state["tokens_per_step"]
 
     def tick(self, first: bool) -> None:
         now = time.perf_counter()
@@ -288,13 +302,14 @@ class StepTimer:
     def pause(self) -> None:
         self.last = None
 
-    def rate(self, tokens: int) -> float | None:
-        return tokens / self.times[-1] if self.times else None
+    def rate(self) -> float | None:
+        return self.tokens_per_step / self.times[-1] if self.times else None
 
 
 def summarize(
-    history: list[dict], timer: StepTimer, tokens_per_step: int, flops_per_token: float | None, peak_flops: float | None
+    history: list[dict], timer: StepTimer, flops_per_token: float | None, peak_flops: float | None
 ) -> dict[str, Any]:
+    tokens_per_step = timer.tokens_per_step
     last = history[-1]
     vals = [r["val/loss"] for r in history if "val/loss" in r]
     step_s = float(np.median(timer.times)) if timer.times else None
