@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from stagelm.chatformat import ChatFormat
 from stagelm.pack import ShardWriter, pack_corpus
 from stagelm.rawdata import iter_column, read_raw
 from stagelm.tokenizer import load_tokenizer
@@ -44,7 +45,7 @@ def main() -> None:
         def pack() -> None:  # as the stage does: streamed from the Parquet file
             batches = iter_column(args.raw, "corpus_train", "text")
             writer = ShardWriter(Path(tmp) / "train", args.seq_len + 1, 4096, tok.get_vocab_size())
-            pack_corpus(tok, batches, writer)
+            pack_corpus(ChatFormat(tok), batches, writer)
 
         pack_s = best_of(args.reps, pack)
     print(

@@ -31,7 +31,6 @@ import jax
 
 from stagelm.benchmark import matmul_gflops
 from stagelm.generate import Sampling, load_generator
-from stagelm.tokenizer import chat_prompt_ids
 
 PROMPTS = [
     "Once upon a time,",
@@ -110,7 +109,7 @@ def main() -> None:
     gen = load_generator(args.model)
     cases = {  # name: (prompt ids, chat, max tokens, the request's path and body)
         "chat answer": (
-            chat_prompt_ids(gen.tokenizer, question),
+            gen.chat.user_prompt(question),
             True,
             32,
             "/v1/chat/completions",

@@ -11,6 +11,7 @@ import json
 
 import jax
 
+from stagelm.chatformat import load_chat_format
 from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
 from stagelm.evaluation import (
@@ -57,7 +58,8 @@ def main() -> None:
         metrics = val_metrics(model, rows, tok, cfg.batch_size, cfg.max_batches, mesh)
     tasks = limit_per_family(read_raw(args.raw, "eval").to_pylist(), cfg.max_examples)
     context = read_model_context(args.model)
-    longest = max(len(p) for fmt in FORMATS for p in task_prompts(tok, tasks, fmt))
+    chat = load_chat_format(tok, args.model)
+    longest = max(len(p) for fmt in FORMATS for p in task_prompts(chat, tasks, fmt))
     capacity = max(context, longest + cfg.max_new_tokens)
     if capacity > context:
         print(f"eval@{args.name}: eval prompts need {capacity} positions, beyond the trained context of {context}")
@@ -69,7 +71,7 @@ def main() -> None:
     need += answers * cfg.max_new_tokens * ANSWER_BYTES_PER_TOKEN
     what = f"generating {answers:,} answers of up to eval.max_new_tokens {cfg.max_new_tokens} tokens"
     require_memory(need, "eval.max_new_tokens", what, fix="lower it or eval.task_batch_size")
-    gen = Generator(model, tok, capacity)
+    gen = Generator(model, tok, capacity, chat)
     records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
     metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)
     if cfg.sample_temperature > 0:  # what GRPO's rollouts see: one sampled chat answer per prompt

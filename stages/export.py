@@ -1,12 +1,15 @@
-"""export stage: one model directory as a transformers Llama checkpoint.
+"""export stage: one model directory as a transformers Llama checkpoint and a llama.cpp GGUF.
 
-    python stages/export.py --model runs/sft/model --out runs/export/sft
+    python stages/export.py --params params.yaml --model runs/sft/model --out runs/export/sft
 
-Writes what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
-load (see stagelm.hf); its provenance goes beside it, `<out>.provenance.json`.
+Writes what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load
+(see stagelm.hf) and, beside it, `model.gguf` for llama.cpp and Ollama (stagelm.gguf_file;
+matrices in `export.gguf_dtype`); its provenance goes beside the folder, `<out>.provenance.json`.
 """
 
+from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
+from stagelm.gguf_file import export_gguf
 from stagelm.hf import export_hf
 from stagelm.modeldir import PARAMS_FILE
 from stagelm.stage import beside, start
@@ -15,9 +18,11 @@ from stagelm.stage import beside, start
 def main() -> None:
     stage = start(__doc__, "model", "out")
     args = stage.args
+    cfg = load_section(stage.params, "export")
     export_hf(args.model, args.out)
-    stage.record(beside(args.out), {}, {"model": args.model / PARAMS_FILE})
-    print(f"export: {args.model} → {args.out}")
+    export_gguf(args.model, args.out / "model.gguf", cfg.gguf_dtype)
+    stage.record(beside(args.out), {"export": section_dict(cfg)}, {"model": args.model / PARAMS_FILE})
+    print(f"export: {args.model} → {args.out} (transformers, and model.gguf in {cfg.gguf_dtype})")
 
 
 if __name__ == "__main__":

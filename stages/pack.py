@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stagelm import distributed
+from stagelm.chatformat import load_chat_format
 from stagelm.config import load_section, section_dict
 from stagelm.errors import run_main
 from stagelm.files import read_json, replace_folder, sha256_file, write_json
@@ -64,6 +65,7 @@ def pack_splits(cfg: Any, raw: Path, tokenizer: Path, out: Path, index: int, cou
     """Pack the train and val corpus (this process's share) and, at process 0, the SFT chats into `out`."""
     tok_path = tokenizer / "tokenizer.json"
     tok = load_tokenizer(tok_path)
+    chat = load_chat_format(tok, tokenizer)  # stagelm's format, or a checkpoint's template (its chat.json)
     vocab, row_len = tok.get_vocab_size(), cfg.seq_len + 1  # seq_len inputs plus the last shifted target
     what = f"a shard of pack.rows_per_shard {cfg.rows_per_shard} rows × {row_len} tokens"
     require_memory(pack_buffer_bytes(cfg.rows_per_shard, row_len), "pack.seq_len", what, have=host_available())
@@ -73,9 +75,9 @@ def pack_splits(cfg: Any, raw: Path, tokenizer: Path, out: Path, index: int, cou
         texts = iter_column(raw, f"corpus_{split}", "text", share=(index, count))
         writer = ShardWriter(out / split, row_len, cfg.rows_per_shard, vocab)
         if count == 1:
-            part = pack_corpus(tok, texts, writer)
+            part = pack_corpus(chat, texts, writer)
         else:
-            spill_corpus(tok, texts, out / split, f".spill-{index:03d}", token_type(vocab))
+            spill_corpus(chat, texts, out / split, f".spill-{index:03d}", token_type(vocab))
             distributed.barrier(f"pack {out / split} spilled")
             part = write_spilled(Spilled(out / split, ".spill-", count, token_type(vocab)), writer, index, count)
         parts = gather(out / split, part, index, count)
@@ -85,7 +87,7 @@ def pack_splits(cfg: Any, raw: Path, tokenizer: Path, out: Path, index: int, cou
     if index != 0:
         return
     chats = read_raw(raw, "sft").column("messages").to_pylist()
-    columns, n_docs = pack_chats(tok, chats, row_len)
+    columns, n_docs = pack_chats(chat, chats, row_len)
     m = write_split(out / "sft", columns, cfg.rows_per_shard, vocab, {**meta, "documents": n_docs})
     print(f"pack: sft: {m['rows']} rows, {m['tokens']} tokens, efficiency {m['packing_efficiency']:.3f}")
 

@@ -1,11 +1,13 @@
-"""pretrain stage: train the decoder from scratch on the packed corpus.
+"""pretrain stage: train the decoder from scratch, or on from a checkpoint, on the packed corpus.
 
     python stages/pretrain.py --params params.yaml --train data/packed/train --val data/packed/val \
         --tokenizer data/tokenizer/tokenizer.json --out runs/pretrain --checkpoints runs/.checkpoints/pretrain
 
 Resumes from the last checkpoint of its fingerprint when one exists (a killed
 `dvc repro` continues where it stopped); writes `<out>/model/`, dvclive metrics and
-plots, and provenance.json.
+plots, and provenance.json. With `model.init_from` (hf:<folder> or gguf:<file>) training
+starts from that checkpoint (its architecture; the model section's sizes are unused), and the
+saved model keeps its context length and its tokenizer's chat.json.
 """
 
 import jax
@@ -15,7 +17,7 @@ from stagelm.checkpoint import stage_fingerprint
 from stagelm.config import init_dir, load_section, load_seed, section_dict
 from stagelm.errors import StagelmError, run_main
 from stagelm.hardware import peak_flops
-from stagelm.hf import import_hf
+from stagelm.imports import read_checkpoint
 from stagelm.loader import PackedRows
 from stagelm.memory import param_count, require_memory, training_state_bytes
 from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token
@@ -36,6 +38,7 @@ def main() -> None:
     read = {"model": section_dict(model_cfg), "training": section_dict(tcfg), "seed": seed}
     inputs = {"train": args.train / "manifest.json", "val": args.val / "manifest.json", "tokenizer": args.tokenizer}
     source = init_dir(model_cfg.init_from)
+    context = manifest["seq_len"]
     if source is None:
         n = param_count(manifest["vocab_size"], **model_cfg.shape(), tie_embeddings=model_cfg.tie_embeddings)
         what = f"{n:,} parameters with their gradients and Adam's two moments"
@@ -45,7 +48,8 @@ def main() -> None:
         origin = "from scratch"
     else:
         settings = {k: getattr(model_cfg, k) for k in ("dtype", "param_dtype", "remat")}
-        model, context = import_hf(source, manifest["vocab_size"], **settings)
+        checkpoint = read_checkpoint(source, vocab_size=manifest["vocab_size"], **settings)
+        model, context = checkpoint.model, checkpoint.context  # its context stays, whatever rows train
         if manifest["seq_len"] > context:
             raise StagelmError(
                 f"pack.seq_len: {manifest['seq_len']} exceeds {source}'s max_position_embeddings {context}; lower it"
@@ -73,7 +77,7 @@ def main() -> None:
         flops_per_token=flops_per_token(cfg, manifest["seq_len"]),
         peak_flops=peak_flops(cfg.dtype),
     )
-    extra = {"params_count": count_params(result.model), "context_len": manifest["seq_len"]}
+    extra = {"params_count": count_params(result.model), "context_len": context}
     save_model(args.out / "model", result.model, args.tokenizer, extra)
     record_training(stage, result, fp, read, inputs)
     s = result.summary

@@ -16,7 +16,6 @@ from stagelm.errors import run_main
 from stagelm.files import atomic_write_bytes
 from stagelm.generate import Sampling, load_generator
 from stagelm.stage import start
-from stagelm.tokenizer import chat_prompt_ids
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
     chat = args.format == "chat"
     records = []
     for i, prompt in enumerate(cfg.prompts):
-        ids = chat_prompt_ids(gen.tokenizer, prompt) if chat else gen.tokenizer.encode(prompt).ids
+        ids = gen.chat.user_prompt(prompt) if chat else gen.chat.text(prompt)
         key = jax.random.fold_in(jax.random.key(seed), i)
         gen.generate([ids], cfg.max_new_tokens, sampling, key, chat=chat)  # warm-up: compile once per shape
         t0 = time.perf_counter()

@@ -2,16 +2,20 @@
 
 python stages/tokenizer.py --params params.yaml --raw data/raw --out data/tokenizer
 
-With `model.init_from: hf:<dir>` it adopts that checkpoint's tokenizer.json instead
-(the tokenizer section is then unused), appending the chat specials it lacks.
+With `model.init_from` (hf:<folder> or gguf:<file>) it writes that checkpoint's own
+tokenizer instead, unchanged (rebuilt from a GGUF's metadata), and its chat.json: its chat
+template and the tokens that end a turn (stagelm.chatformat). The tokenizer section is then
+unused; the checkpoint's files are hashed through data.inputs, a dependency of this stage.
 """
 
+from stagelm.chatformat import write_chat_spec
 from stagelm.config import init_dir, load_section, load_value, section_dict
 from stagelm.errors import run_main
 from stagelm.files import atomic_write_bytes
+from stagelm.imports import read_checkpoint
 from stagelm.rawdata import iter_column
 from stagelm.stage import beside, start
-from stagelm.tokenizer import TrainingSample, adopt_tokenizer, train_tokenizer
+from stagelm.tokenizer import CHAT_FILE, TrainingSample, train_tokenizer
 
 
 def main() -> None:
@@ -22,11 +26,14 @@ def main() -> None:
     data_seed = load_value(stage.params, "data.seed")  # draws the sample when the split exceeds max_train_chars
     read = {"tokenizer": section_dict(cfg), "model.init_from": init_from, "data.seed": data_seed}
 
+    chat = None
     if init_from is not None:
-        source = init_dir(init_from) / "tokenizer.json"
-        tok, added = adopt_tokenizer(source)
-        inputs = {"tokenizer": source}
-        done = f"{tok.get_vocab_size()} tokens adopted from {source}; appended: {', '.join(added) or 'none'}"
+        source = init_dir(init_from)
+        checkpoint = read_checkpoint(source, weights=False)
+        tok, chat = checkpoint.tokenizer, checkpoint.chat
+        inputs = {"checkpoint": source}
+        kind = "its chat template" if chat["template"] else "no chat template (text only)"
+        done = f"{tok.get_vocab_size()} tokens of {source}, unchanged; {kind}"
     else:
         sample = TrainingSample(lambda: iter_column(args.raw, "corpus_train", "text"), cfg.max_train_chars, data_seed)
         tok = train_tokenizer(sample, cfg.vocab_size, cfg.min_frequency)
@@ -36,7 +43,10 @@ def main() -> None:
             f"documents ({sample.chars:,} of {sample.total_chars:,} characters; tokenizer.max_train_chars "
             f"{cfg.max_train_chars:,})"
         )
-    atomic_write_bytes(args.out / "tokenizer.json", tok.to_str(pretty=True).encode())
+    (args.out / CHAT_FILE).unlink(missing_ok=True)  # a previous checkpoint's, if any: stagelm's format has none
+    text = checkpoint.tokenizer_json() if init_from is not None else tok.to_str(pretty=True).encode()
+    atomic_write_bytes(args.out / "tokenizer.json", text)
+    write_chat_spec(args.out, chat)
     stage.record(beside(args.out), read, inputs)
     print(f"tokenizer: {done}")
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from conftest import micro_params, run_data_stages, tree_bytes, write_params
 
+from stagelm.chatformat import ChatFormat
 from stagelm.files import read_json
 from stagelm.loader import PackedRows
 from stagelm.pack import (
@@ -94,10 +95,10 @@ def test_shards_cost_at_most_the_promised_bytes_per_token(micro_data, tmp_path):
     tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
     vocab = tok.get_vocab_size()
     corpus = ShardWriter(tmp_path / "train", 257, 1024, vocab)
-    part = pack_corpus(tok, iter_column(micro_data / "raw", "corpus_train", "text"), corpus)
+    part = pack_corpus(ChatFormat(tok), iter_column(micro_data / "raw", "corpus_train", "text"), corpus)
     train = write_manifest(tmp_path / "train", 257, vocab, [part], {})
     chats = read_raw(micro_data / "raw", "sft").column("messages").to_pylist()
-    sft = write_split(tmp_path / "sft", pack_chats(tok, chats, 257)[0], 1024, vocab, {})
+    sft = write_split(tmp_path / "sft", pack_chats(ChatFormat(tok), chats, 257)[0], 1024, vocab, {})
     for name, manifest, budget in (("train", train, 2.5), ("sft", sft, 3.5)):
         size = sum((tmp_path / name / s["file"]).stat().st_size for s in manifest["shards"])
         assert size / manifest["tokens"] <= budget, name
@@ -142,12 +143,16 @@ def test_shares_spilled_by_several_processes_give_the_one_process_shards(micro_d
     tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
     vocab, dtype, raw = tok.get_vocab_size(), np.dtype(np.uint16), micro_data / "raw"
     one = tmp_path / "one"
-    part = pack_corpus(tok, iter_column(raw, "corpus_val", "text"), ShardWriter(one, 65, rows_per_shard, vocab))
+    part = pack_corpus(
+        ChatFormat(tok), iter_column(raw, "corpus_val", "text"), ShardWriter(one, 65, rows_per_shard, vocab)
+    )
     write_manifest(one, 65, vocab, [part], {})
     many = tmp_path / "many"
     writers = [ShardWriter(many, 65, rows_per_shard, vocab) for _ in range(count)]
     for p in range(count):
-        spill_corpus(tok, iter_column(raw, "corpus_val", "text", share=(p, count)), many, f".spill-{p:03d}", dtype)
+        spill_corpus(
+            ChatFormat(tok), iter_column(raw, "corpus_val", "text", share=(p, count)), many, f".spill-{p:03d}", dtype
+        )
     spilled = Spilled(many, ".spill-", count, dtype)
     parts = [write_spilled(spilled, writers[p], p, count) for p in range(count)]
     for spill in many.glob(".spill-*"):

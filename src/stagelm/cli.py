@@ -81,6 +81,7 @@ def check(args: argparse.Namespace) -> None:
     require_family_sets(sections["data"], sections["grpo"])
     require_inputs(sections["data"])
     print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
+    fine_tuning_rates(sections)
     print_estimates(sections)
     paths = pipeline_vars(Path(args.pipeline))
     raw = Path(paths.get("raw_dir", "data/raw"))
@@ -97,6 +98,26 @@ def check(args: argparse.Namespace) -> None:
                 f"or `dvc checkout {packed} {tokenizer.parent}` to restore the pair dvc.lock records"
             )
         print(f"ok: {split}: {len(manifest['shards'])} shards match manifest.json")
+
+
+# Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update
+# at the default training.lr (3e-3) took SmolLM2-135M's loss from 2.41 to 13.93 (issue 47).
+FINE_TUNING_LR = {"training": 3e-4, "sft": 3e-4, "distill": 3e-4, "grpo": 1e-4}
+
+
+def fine_tuning_rates(sections: dict) -> None:
+    """A warning line for each section whose peak rate would wreck a trained checkpoint (`model.init_from`),
+    pointing at the fine-tuning preset (docs/huggingface.md)."""
+    if sections["model"].init_from is None:
+        return
+    for name, ceiling in FINE_TUNING_LR.items():
+        cfg = sections[name]
+        wide = name == "sft" and cfg.method == "lora"  # adapters start at zero: a LoRA rate may be higher
+        if cfg.lr > ceiling * (10 if wide else 1):
+            print(
+                f"warning: {name}.lr: {cfg.lr:g} is a from-scratch rate, and model.init_from starts from a trained "
+                "checkpoint; use the fine-tuning preset (docs/huggingface.md#fine-tuning-a-checkpoint)"
+            )
 
 
 def print_estimates(sections: dict) -> None:
@@ -170,7 +191,6 @@ def generate(args: argparse.Namespace) -> None:
     import jax
 
     from stagelm.generate import Sampling, load_generator
-    from stagelm.tokenizer import chat_prompt_ids
 
     if args.max_new_tokens < 1:
         raise StagelmError(f"--max-new-tokens: expected a positive int, got {args.max_new_tokens}")
@@ -183,7 +203,7 @@ def generate(args: argparse.Namespace) -> None:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)  # validates before the model loads
     gen = load_generator(args.model_dir)
     tok = gen.tokenizer
-    ids = chat_prompt_ids(tok, args.prompt) if args.chat else tok.encode(args.prompt, add_special_tokens=False).ids
+    ids = gen.chat.user_prompt(args.prompt) if args.chat else gen.chat.text(args.prompt)
     out: list[int] = []
     shown = ""
     for token in gen.stream(ids, args.max_new_tokens, sampling, jax.random.key(args.seed), chat=args.chat):
@@ -262,17 +282,29 @@ def export_hf(args: argparse.Namespace) -> None:
     print(f"export-hf: {args.model_dir} → {out} (LlamaForCausalLM; model.safetensors, tokenizer, chat template)")
 
 
+def export_gguf(args: argparse.Namespace) -> None:
+    from stagelm.gguf_file import export_gguf
+
+    if args.out_file.is_dir():
+        raise StagelmError(f"{args.out_file}: a folder; give export-gguf the path of the .gguf file to write")
+    refuse_dvc_output(args.out_file, "export-gguf")
+    out = export_gguf(args.model_dir, args.out_file, args.dtype)
+    print(f"export-gguf: {args.model_dir} → {out} (llama, {args.dtype} matrices; tokenizer and chat template)")
+
+
 def check_import_target(out_dir: Path) -> None:
     """Refuse a target that is a file, a DVC output, or a folder holding anything but a
     previous import (a stagelm model directory's files), which the import replaces."""
     from stagelm.modeldir import PARAMS_FILE
+    from stagelm.tokenizer import CHAT_FILE
 
     if out_dir.exists() and not out_dir.is_dir():
         raise StagelmError(f"{out_dir}: a file, not a folder; give import-hf a new or empty folder to write")
     refuse_dvc_output(out_dir, "import-hf")
     if not out_dir.is_dir():
         return
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in ("config.json", PARAMS_FILE, "tokenizer.json"))
+    mine = ("config.json", PARAMS_FILE, "tokenizer.json", CHAT_FILE)
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in mine)
     config = out_dir / "config.json"
     if not others and config.is_file() and "params_sha256" not in read_json_object(config, "move it away"):
         others = ["config.json"]  # a config.json of someone else's, not a stagelm model's
@@ -282,25 +314,18 @@ def check_import_target(out_dir: Path) -> None:
         )
 
 
-def import_hf(args: argparse.Namespace) -> None:
-    from stagelm.hf import import_hf
+def import_checkpoint(args: argparse.Namespace) -> None:
+    from stagelm.imports import read_checkpoint
     from stagelm.model import count_params
     from stagelm.modeldir import save_model
-    from stagelm.tokenizer import read_tokenizer_file
 
     check_import_target(args.out_dir)
-    tokenizer = args.hf_dir / "tokenizer.json"
-    if not tokenizer.is_file():
-        raise StagelmError(f"{tokenizer}: missing; the checkpoint needs a fast tokenizer's tokenizer.json")
-    tok = read_tokenizer_file(tokenizer, "the checkpoint needs a fast tokenizer's tokenizer.json")
-    model, context = import_hf(args.hf_dir)
-    if tok.get_vocab_size() > model.cfg.vocab_size:
-        raise StagelmError(
-            f"{tokenizer}: {tok.get_vocab_size():,} tokens, more than the model's vocab_size "
-            f"{model.cfg.vocab_size:,}; give the checkpoint's own tokenizer"
-        )
-    save_model(args.out_dir, model, tokenizer, {"params_count": count_params(model), "context_len": context})
-    print(f"import-hf: {args.hf_dir} → {args.out_dir} ({count_params(model):,} params, context {context})")
+    found = read_checkpoint(args.source)
+    model, context = found.model, found.context
+    extra = {"params_count": count_params(model), "context_len": context, "imported_from": str(args.source)}
+    save_model(args.out_dir, model, found.tokenizer_file or found.tokenizer, extra, chat=found.chat)
+    template = "its chat template" if found.chat["template"] else "no chat template (text only)"
+    print(f"import: {args.source} → {args.out_dir} ({count_params(model):,} params, context {context}; {template})")
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -379,10 +404,16 @@ def main() -> None:
     )
     sv.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request's head")
     sv.set_defaults(func=serve)
-    im = sub.add_parser("import-hf", help="read a local transformers Llama checkpoint into a model directory")
-    im.add_argument("hf_dir", type=Path)
-    im.add_argument("out_dir", type=Path)
-    im.set_defaults(func=import_hf)
+    for name, what in (("import-hf", "a transformers Llama folder (or a GGUF file)"), ("import-gguf", "a GGUF file")):
+        im = sub.add_parser(name, help=f"read {what} into a model directory, with its tokenizer and chat template")
+        im.add_argument("source", type=Path)
+        im.add_argument("out_dir", type=Path)
+        im.set_defaults(func=import_checkpoint)
+    eg = sub.add_parser("export-gguf", help="write a model directory as a llama GGUF file for llama.cpp")
+    eg.add_argument("model_dir", type=Path)
+    eg.add_argument("out_file", type=Path)
+    eg.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (the matrices)")
+    eg.set_defaults(func=export_gguf)
     args = parser.parse_args()
     run_main(lambda: args.func(args), interrupted=None)  # a command, not a stage: no rerun to speak of
 

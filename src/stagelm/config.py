@@ -206,8 +206,12 @@ class ModelConfig(ModelShape):
     init_std: float = param("standard deviation of the initial weights", POSITIVE)
     # A checkpoint brings its architecture and tokenizer; dtype, param_dtype and remat still apply.
     init_from: str | None = param(
-        "null = from scratch; hf:<local dir> = start from a transformers Llama checkpoint there",
-        (lambda v: v.startswith("hf:") and len(v) > 3, "null or hf:<local dir>"),
+        "null = from scratch; hf:<folder> (a transformers Llama checkpoint) or gguf:<file> (a llama GGUF) "
+        "under data.inputs, which DVC hashes",
+        (
+            lambda v: (v.startswith("hf:") and len(v) > 3) or (v.startswith("gguf:") and len(v) > 5),
+            "null, hf:<folder> or gguf:<file>",
+        ),
     )
 
     def architecture(self) -> dict[str, Any]:
@@ -216,13 +220,28 @@ class ModelConfig(ModelShape):
 
 
 def init_dir(init_from: str | None) -> Path | None:
-    """The local checkpoint directory of `model.init_from`, or None (from scratch)."""
+    """The checkpoint of `model.init_from` (a transformers folder or a GGUF file), or None (from scratch)."""
     if init_from is None:
         return None
-    path = Path(init_from[3:]).expanduser()
-    if not (path / "config.json").is_file():
-        raise StagelmError(f"model.init_from: {path} has no config.json; give a local transformers checkpoint dir")
+    scheme, _, rest = init_from.partition(":")
+    path = Path(rest).expanduser()
+    if scheme == "gguf" and not path.is_file():
+        raise StagelmError(f"model.init_from: {path} is not a file; give a llama .gguf file under data.inputs")
+    if scheme == "hf" and not (path / "config.json").is_file():
+        raise StagelmError(f"model.init_from: {path} has no config.json; give a transformers checkpoint folder")
     return path
+
+
+def require_init_inside_inputs(model: "ModelConfig", data: DataConfig) -> None:
+    """Refuse a `model.init_from` outside `data.inputs`: its files are inputs DVC must hash (the
+    tokenizer and pretrain stages depend on that folder), as a corpus file's are."""
+    if model.init_from is not None:
+        path = model.init_from.partition(":")[2]
+        if not inside(path, data.inputs):
+            raise StagelmError(
+                f"model.init_from: {path!r} lies outside data.inputs {data.inputs!r}, the folder DVC hashes; "
+                "move the checkpoint into it"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,6 +530,16 @@ class BenchmarkConfig(ModelShape):
     naive_repetitions: int = param("timed calls of naive full-prefix decoding, the KV cache's reference", POSITIVE)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """What the export stages write beside the transformers checkpoint."""
+
+    gguf_dtype: str = param(
+        "dtype of model.gguf's matrices (llama.cpp): float32, float16 or bfloat16; norms stay float32",
+        one_of("float32", "float16", "bfloat16"),
+    )
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "tokenizer": TokenizerConfig,
@@ -525,6 +554,7 @@ SECTIONS: dict[str, type] = {
     "distill": DistillConfig,
     "grpo": GrpoConfig,
     "benchmark": BenchmarkConfig,
+    "export": ExportConfig,
 }
 
 
@@ -595,7 +625,9 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
                 f"{key}: unknown top-level key of params.yaml{did_you_mean(key, TOP_LEVEL)}; "
                 f"expected {', '.join(TOP_LEVEL)}"
             )
-    return {"seed": load_seed(params), **{name: load_section(params, name) for name in SECTIONS}}
+    sections = {"seed": load_seed(params), **{name: load_section(params, name) for name in SECTIONS}}
+    require_init_inside_inputs(sections["model"], sections["data"])
+    return sections
 
 
 def load_section(params: dict[str, Any], name: str) -> Any:

@@ -39,7 +39,6 @@ from stagelm.config import StudentConfig
 from stagelm.errors import StagelmError
 from stagelm.generate import Generator, Sampling
 from stagelm.model import Decoder, DecoderConfig
-from stagelm.tokenizer import chat_prompt_ids, chat_segments
 from stagelm.trainloop import BatchSource
 from stagelm.trainstep import LossFn, lm_loss, next_token_targets
 
@@ -158,6 +157,12 @@ def on_policy_step(step: int, share: float) -> bool:
     return int(step * share) > int((step - 1) * share)
 
 
+def first_turn(messages: list[dict]) -> list[dict]:
+    """A conversation's messages through its first user turn (a system message may open it)."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[: users[0] + 1] if users else messages[:1]
+
+
 class OnPolicyBatches:
     """`distill.on_policy` of the steps: the student's sampled answers to SFT prompts; the rest
     from `data` (the packed rows). A `trainloop.BatchSource`; its state is both parts'."""
@@ -173,10 +178,11 @@ class OnPolicyBatches:
         seed: int,
     ):
         self.data, self.share, self.graphdef, self.gen, self.rows, self.seed = data, share, graphdef, gen, rows, seed
-        tok = gen.tokenizer
-        prompts = [chat_prompt_ids(tok, c["messages"][0]["content"]) for c in conversations]
+        chat = gen.chat
+        # Each conversation's opening through its first user turn, ready for the assistant's answer.
+        prompts = [chat.prompt(first_turn(c["messages"])) for c in conversations]
         # Room for the longest reference answer (and its end token): the answers the student should give.
-        self.max_new = max(sum(chat_segments(tok, c["messages"])[1]) for c in conversations) + 1
+        self.max_new = max(sum(chat.conversation(c["messages"])[1]) for c in conversations) + 1
         # Prompts that leave that room in the context (a prompt that does not is no use: its answer would be cut).
         self.prompts = [p for p in prompts if len(p) + self.max_new <= gen.capacity]
         if len(self.prompts) < rows:

@@ -18,11 +18,11 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
+from stagelm.chatformat import ChatFormat
 from stagelm.generate import Generator, Sampling
 from stagelm.loader import PackedRows
 from stagelm.meshbatch import sum_over_split
 from stagelm.tasks import check_answer
-from stagelm.tokenizer import chat_prompt_ids
 from stagelm.trainstep import lm_loss, next_token_targets
 
 FORMATS = ("completion", "chat")
@@ -73,10 +73,11 @@ def limit_per_family(tasks: list[dict], max_examples: int | None) -> list[dict]:
     return kept
 
 
-def task_prompts(tok: Tokenizer, tasks: list[dict], fmt: str) -> list[list[int]]:
+def task_prompts(chat: ChatFormat, tasks: list[dict], fmt: str) -> list[list[int]]:
+    """The tasks' prompts in format `fmt`: a user turn in the model's chat format, or plain text."""
     if fmt == "chat":
-        return [chat_prompt_ids(tok, t["chat_prompt"]) for t in tasks]
-    return [tok.encode(t["prompt"], add_special_tokens=False).ids for t in tasks]
+        return [chat.user_prompt(t["chat_prompt"]) for t in tasks]
+    return [chat.text(t["prompt"]) for t in tasks]
 
 
 def answer_tasks(
@@ -84,7 +85,7 @@ def answer_tasks(
 ) -> list[dict]:
     """Answers to `tasks` in format `fmt`, each graded: one prediction record per task. Greedy
     by default; sampled at `temperature` (no top-k or top-p cut) from a key fixed per batch."""
-    prompts = task_prompts(gen.tokenizer, tasks, fmt)
+    prompts = task_prompts(gen.chat, tasks, fmt)
     sampling = Sampling(temperature=temperature)
     records = []
     for start in range(0, len(tasks), batch):

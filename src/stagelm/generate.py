@@ -26,10 +26,11 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
+from stagelm.chatformat import ChatFormat, load_chat_format
 from stagelm.errors import StagelmError
 from stagelm.model import Decoder, init_cache
 from stagelm.modeldir import load_model, read_model_context
-from stagelm.tokenizer import END, EOS, load_tokenizer, special_id
+from stagelm.tokenizer import load_tokenizer
 
 BUCKET = 16
 
@@ -100,22 +101,27 @@ class Completion:
 
 
 class Generator:
-    """Generation for one model and tokenizer; `capacity` is the KV cache size in tokens."""
+    """Generation for one model and tokenizer; `capacity` is the KV cache size in tokens and `chat`
+    the tokenizer's chat format (default: stagelm's own), whose tokens end a generation."""
 
-    def __init__(self, model: Decoder, tokenizer: Tokenizer, capacity: int):
-        if tokenizer.get_vocab_size() != model.cfg.vocab_size:
+    def __init__(self, model: Decoder, tokenizer: Tokenizer, capacity: int, chat: ChatFormat | None = None):
+        if tokenizer.get_vocab_size() > model.cfg.vocab_size:
             raise StagelmError(
                 f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab is "
                 f"{model.cfg.vocab_size}; use the tokenizer.json saved with the model"
             )
         self.model, self.tokenizer, self.capacity = model, tokenizer, capacity
+        self.chat = chat or ChatFormat(tokenizer)
         self.graphdef, self.params = nnx.split(model)
         self._prefill = jax.jit(self._prefill_fn)
         self._step = jax.jit(self._step_fn, donate_argnums=1)
         self._loop = jax.jit(self._loop_fn, static_argnames=("max_new", "logprobs"))
         self._sample = jax.jit(sample_tokens)
         self._full = jax.jit(lambda params, tokens, seg, pos: nnx.merge(self.graphdef, params)(tokens, seg, pos))
-        self.newline_ids = [i for i in range(tokenizer.get_vocab_size()) if "\n" in tokenizer.decode([i])]
+        # Tokens whose text holds a newline (a special token's decodes to its spelling: never one).
+        self.newline_ids = [
+            i for i in range(tokenizer.get_vocab_size()) if "\n" in tokenizer.decode([i], skip_special_tokens=True)
+        ]
 
     # --- pure functions (jitted above) ---------------------------------------------------
 
@@ -190,9 +196,7 @@ class Generator:
         stop = np.zeros(self.model.cfg.vocab_size, bool)
         if not enabled:  # fixed-length generation (benchmarks)
             return jnp.asarray(stop)
-        stop[special_id(self.tokenizer, EOS)] = True
-        if chat:
-            stop[special_id(self.tokenizer, END)] = True
+        stop[list(self.chat.stop_ids(chat))] = True
         if stop_at_newline:
             stop[self.newline_ids] = True
         return jnp.asarray(stop)
@@ -337,4 +341,5 @@ def load_generator(model_dir: str | Path, capacity: int | None = None) -> Genera
     """A Generator for a stagelm model directory (its params, config.json and tokenizer.json)."""
     model = load_model(model_dir)
     tokenizer = load_tokenizer(Path(model_dir) / "tokenizer.json")
-    return Generator(model, tokenizer, capacity or read_model_context(model_dir))
+    chat = load_chat_format(tokenizer, model_dir)
+    return Generator(model, tokenizer, capacity or read_model_context(model_dir), chat)

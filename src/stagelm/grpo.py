@@ -38,13 +38,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from stagelm.chatformat import ChatFormat
 from stagelm.config import GrpoConfig
 from stagelm.errors import StagelmError
 from stagelm.generate import BUCKET, Generator, Sampling
 from stagelm.rawdata import read_raw
 from stagelm.sharding import mine, to_host
 from stagelm.tasks import REGISTRY, check_answer, step_credit
-from stagelm.tokenizer import chat_prompt_ids, chat_segments
 from stagelm.trainstep import LossFn, next_token_targets
 
 
@@ -221,9 +221,9 @@ class Rollouts:
         anchor: list[dict] | None = None,
     ):
         self.cfg, self.gen, self.graphdef, self.seed = cfg, gen, graphdef, seed
-        self.anchor = anchor_set(gen.tokenizer, anchor) if cfg.anchor_coef > 0 else None
+        self.anchor = anchor_set(gen.chat, anchor) if cfg.anchor_coef > 0 else None
         self.tasks = [t for t in tasks if t["family"] in cfg.families]
-        self.prompts = [chat_prompt_ids(gen.tokenizer, t["chat_prompt"]) for t in self.tasks]
+        self.prompts = [gen.chat.user_prompt(t["chat_prompt"]) for t in self.tasks]
         self.specs = [json.loads(t["spec"]) for t in self.tasks]
         longest = max(len(p) for p in self.prompts)
         self.prompt_width = min(-(-longest // BUCKET) * BUCKET, gen.capacity)  # the widest layout of a rollout
@@ -404,9 +404,9 @@ class Rollouts:
         self.rollout, self.update, self.drawn = state["rollout"], 0, state["drawn"]
 
 
-def anchor_set(tokenizer: Any, conversations: list[dict]) -> dict[str, np.ndarray]:
+def anchor_set(chat: ChatFormat, conversations: list[dict]) -> dict[str, np.ndarray]:
     """SFT conversations as (n, width) rows: tokens, segment_ids (0 = padding), positions, loss_mask."""
-    encoded = [chat_segments(tokenizer, c["messages"]) for c in conversations]
+    encoded = [chat.conversation(c["messages"]) for c in conversations]
     width = max(len(ids) for ids, _ in encoded)
     rows = {k: np.zeros((len(encoded), width), np.int32) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
     for i, (ids, mask) in enumerate(encoded):

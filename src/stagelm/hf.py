@@ -15,7 +15,6 @@ rope scaling, another activation) with one line naming the field.
 """
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from stagelm.chatformat import load_chat_format
 from stagelm.errors import StagelmError
 from stagelm.files import atomic_write_bytes, copy_file, read_json_object, write_json
 from stagelm.model import Decoder, DecoderConfig
-from stagelm.tokenizer import ASSISTANT, BOS, END, EOS, PAD, USER
+from stagelm.tokenizer import ASSISTANT, BOS, END, EOS, PAD, USER, load_tokenizer
 
 # Renders stagelm's chat layout: <|user|>text<|end|><|assistant|>text<|end|> ...
 CHAT_TEMPLATE = (
@@ -67,7 +67,8 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(a) for name, a in out.items()}
 
 
-def hf_config(cfg: DecoderConfig, context: int, special: dict[str, int]) -> dict[str, Any]:
+def hf_config(cfg: DecoderConfig, context: int, chat: Any) -> dict[str, Any]:
+    """transformers' config.json of a decoder; the special token ids are its chat format's (`chat`)."""
     dtype = {"float32": "float32", "bfloat16": "bfloat16"}[cfg.param_dtype]
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -90,13 +91,20 @@ def hf_config(cfg: DecoderConfig, context: int, special: dict[str, int]) -> dict
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "torch_dtype": dtype,
-        "bos_token_id": special[BOS],
-        "eos_token_id": special[EOS],
-        "pad_token_id": special[PAD],
+        "bos_token_id": chat.bos,
+        "eos_token_id": chat.eos,
+        "pad_token_id": chat.pad,
     }
 
 
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.gguf",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 def check_export_target(model_dir: Path, out_dir: Path) -> None:
@@ -127,13 +135,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
     model = load_model(model_dir)
     if model.cfg.lora_rank:
         raise StagelmError(f"{model_dir}: holds unmerged LoRA adapters; export the merged model (runs/sft/model)")
-    vocab = json.loads((model_dir / "tokenizer.json").read_text())
-    special = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
-    missing = [t for t in (PAD, BOS, EOS, USER, ASSISTANT, END) if t not in special]
-    if missing:
-        raise StagelmError(
-            f"{model_dir / 'tokenizer.json'}: lacks the special tokens {missing}; not a stagelm tokenizer"
-        )
+    chat = load_chat_format(load_tokenizer(model_dir / "tokenizer.json"), model_dir)
     context = read_model_context(model_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = (out_dir.with_name(f".{out_dir.name}.{what}") for what in ("export-tmp", "export-old"))
@@ -144,15 +146,11 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
         # Through the atomic writer, as every other file: the mode a new file gets (0o666 less the
         # umask; safetensors' own writer leaves 0o600), and a failed write names the file.
         atomic_write_bytes(tmp / "model.safetensors", save(hf_tensors(model), metadata={"format": "pt"}))
-        write_json(tmp / "config.json", hf_config(model.cfg, context, special))
-        generation = {
-            "bos_token_id": special[BOS],
-            "eos_token_id": [special[EOS], special[END]],
-            "pad_token_id": special[PAD],
-        }
+        write_json(tmp / "config.json", hf_config(model.cfg, context, chat))
+        generation = {"bos_token_id": chat.bos, "eos_token_id": list(chat.stops), "pad_token_id": chat.pad}
         write_json(tmp / "generation_config.json", generation)
         copy_file(model_dir / "tokenizer.json", tmp / "tokenizer.json")
-        write_json(tmp / "tokenizer_config.json", tokenizer_config(context))
+        write_json(tmp / "tokenizer_config.json", tokenizer_config(context, chat))
         if out_dir.exists():
             out_dir.rename(old)
         tmp.rename(out_dir)
@@ -162,27 +160,37 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def tokenizer_config(context: int) -> dict[str, Any]:
-    return {
+def tokenizer_config(context: int, chat: Any) -> dict[str, Any]:
+    """transformers' tokenizer_config.json: stagelm's specials and template, or the checkpoint's own."""
+    common = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "additional_special_tokens": [USER, ASSISTANT, END],
-        "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": context,
-        "chat_template": CHAT_TEMPLATE,
     }
+    if chat.spec is None:
+        return {
+            **common,
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "additional_special_tokens": [USER, ASSISTANT, END],
+            "add_bos_token": False,
+            "chat_template": CHAT_TEMPLATE,
+        }
+    spec = chat.spec
+    tokens = {k: spec[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if spec.get(k)}
+    template = {"chat_template": spec["template"]} if spec["template"] else {}
+    return {**common, **tokens, "add_bos_token": bool(spec.get("add_bos_token")), **template}
 
 
-UNSUPPORTED = {  # config.json field → the only value stagelm's decoder has
-    "attention_bias": False,
-    "mlp_bias": False,
-    "hidden_act": "silu",
-    "rope_scaling": None,
-}
+# config.json fields stagelm's decoder has one value of: a checkpoint that says otherwise is refused.
+FIXED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "pretraining_tp": 1}
+# RoPE as stagelm computes it: theta^(-2i/d) on the whole head, positions as they are. transformers
+# 4 spells it `rope_theta` and `rope_scaling: null`; transformers 5 `rope_parameters: {rope_type:
+# "default", rope_theta}`. Every other rope type (linear, dynamic, yarn, longrope, llama3) scales
+# positions or frequencies stagelm does not, so it is refused.
+ROPE_KEYS = {"rope_type", "rope_theta", "type", "partial_rotary_factor"}
 
 
 # The integer fields import reads, with the largest value accepted: far above any released
@@ -195,6 +203,7 @@ HF_LIMITS = {
     "num_key_value_heads": 1024,
     "intermediate_size": 1 << 20,
     "max_position_embeddings": 1 << 20,
+    "head_dim": 1 << 12,
 }
 
 
@@ -207,22 +216,57 @@ def hf_int(c: dict[str, Any], field: str, path: Path, default: int | None = None
     return value
 
 
-def hf_float(c: dict[str, Any], field: str, path: Path, default: float) -> float:
+def hf_float(c: dict[str, Any], field: str, path: Path, default: float | None = None) -> float:
     value = c.get(field, default)
+    if value is None:
+        raise StagelmError(f"{path}: {field} missing; a Llama config.json needs it")
     if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
         raise StagelmError(f"{path}: {field} = {value!r}; expected a positive number")
     return float(value)
 
 
+def rope_theta(c: dict[str, Any], path: Path) -> float:
+    """The RoPE base of a config.json in either layout, refusing any scaling stagelm does not compute.
+    A field the checkpoint has is never replaced by a default: only a config with neither
+    `rope_theta` nor `rope_parameters` gets Llama's 10,000, as transformers gives it."""
+    params = c.get("rope_parameters")
+    scaling = c.get("rope_scaling")
+    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise StagelmError(f"{path}: {name} = {block!r}; expected an object or null")
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind != "default":
+            raise StagelmError(
+                f"{path}: {name} has rope_type {kind!r}; stagelm's RoPE has no scaling (only 'default' imports)"
+            )
+        extra = sorted(set(block) - ROPE_KEYS)
+        if extra:
+            raise StagelmError(f"{path}: {name} sets {extra}, which stagelm's RoPE does not implement")
+        if block.get("partial_rotary_factor", 1.0) != 1.0:
+            raise StagelmError(f"{path}: {name}.partial_rotary_factor {block['partial_rotary_factor']!r} is not 1.0")
+    found = {
+        "rope_theta": c.get("rope_theta"),
+        "rope_parameters.rope_theta": params.get("rope_theta") if isinstance(params, dict) else None,
+        "rope_scaling.rope_theta": scaling.get("rope_theta") if isinstance(scaling, dict) else None,
+    }
+    given = {k: v for k, v in found.items() if v is not None}
+    if len(set(given.values())) > 1:
+        raise StagelmError(f"{path}: RoPE bases disagree ({given}); keep one")
+    key = next(iter(given), "rope_theta")
+    return hf_float({key: given.get(key, 10000.0)}, key, path)
+
+
 def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
-    """(stagelm DecoderConfig, context length) of a transformers Llama config.json, or one
-    line why not: every field used is type- and range-checked (HF_LIMITS) before anything
-    is allocated."""
+    """(stagelm DecoderConfig, context length) of a transformers Llama config.json in transformers 4's
+    or 5's layout, or one line why not: every field used is type- and range-checked (HF_LIMITS)
+    before anything is allocated, and a field stagelm cannot represent is refused, never dropped."""
     path = hf_dir / "config.json"
     c = read_json_object(path, "hf:<dir> must be a local transformers checkpoint directory")
     if c.get("model_type") != "llama":
         raise StagelmError(f"{path}: model_type {c.get('model_type')!r}; stagelm imports 'llama' checkpoints only")
-    for field, value in UNSUPPORTED.items():
+    for field, value in FIXED.items():
         if c.get(field, value) != value:
             raise StagelmError(f"{path}: {field} = {c[field]!r} is not supported (stagelm's decoder has {value!r})")
     d, h = hf_int(c, "hidden_size", path), hf_int(c, "num_attention_heads", path)
@@ -233,7 +277,7 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
         raise StagelmError(f"{path}: num_key_value_heads {k} does not divide num_attention_heads {h}")
     if (d // h) % 2:
         raise StagelmError(f"{path}: hidden_size / num_attention_heads = {d // h} must be even for RoPE")
-    if c.get("head_dim", d // h) != d // h:
+    if c.get("head_dim") is not None and hf_int(c, "head_dim", path) != d // h:
         raise StagelmError(f"{path}: head_dim {c['head_dim']!r} differs from hidden_size / num_attention_heads")
     cfg = DecoderConfig(
         vocab_size=hf_int(c, "vocab_size", path),
@@ -242,7 +286,7 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
         n_heads=h,
         n_kv_heads=k,
         d_ff=hf_int(c, "intermediate_size", path),
-        rope_theta=hf_float(c, "rope_theta", path, 10000.0),
+        rope_theta=rope_theta(c, path),
         norm_eps=hf_float(c, "rms_norm_eps", path, 1e-6),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         init_std=hf_float(c, "initializer_range", path, 0.02),
@@ -250,21 +294,11 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
     return cfg, hf_int(c, "max_position_embeddings", path, default=2048)
 
 
-def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any) -> tuple[Decoder, int]:
-    """(stagelm Decoder, context length) of a local transformers Llama checkpoint (model.safetensors).
-
-    `vocab_size` beyond the checkpoint's grows the embedding (and an untied head) for
-    tokens added to its tokenizer; their rows start at the mean of the existing ones.
-    `settings` are DecoderConfig fields that do not change the weights (dtype,
-    param_dtype, remat).
-    """
+def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a transformers checkpoint's *.safetensors files (never a pickled .bin)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    hf_dir = Path(hf_dir)
-    cfg, context = import_config(hf_dir)
-    trained_vocab = cfg.vocab_size
-    cfg = dataclasses.replace(cfg, vocab_size=max(vocab_size or 0, trained_vocab), **settings)
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
@@ -274,11 +308,24 @@ def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any
             tensors.update(load_file(str(file)))
         except (SafetensorError, OSError, ValueError) as err:
             raise StagelmError(f"{file}: not a readable safetensors file ({str(err)[:80]})") from None
+    return tensors
+
+
+def decoder_from_hf(
+    cfg: DecoderConfig, tensors: dict[str, np.ndarray], where: Path, vocab_size: int | None = None, **settings: Any
+) -> Decoder:
+    """A stagelm Decoder holding transformers' Llama state dict `tensors` (name → (out, in) arrays).
+
+    `vocab_size` beyond the checkpoint's grows the embedding (and an untied head) for tokens
+    added to its tokenizer; their rows start at the mean of the existing ones. `settings` are
+    DecoderConfig fields that do not change the weights (dtype, param_dtype, remat)."""
+    trained_vocab = cfg.vocab_size
+    cfg = dataclasses.replace(cfg, vocab_size=max(vocab_size or 0, trained_vocab), **settings)
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise StagelmError(f"{hf_dir}: weight {name} missing from the safetensors files")
+            raise StagelmError(f"{where}: weight {name} missing")
         return tensors[name].astype(np.float32)
 
     def grown(rows: np.ndarray) -> np.ndarray:  # (trained vocab, d) → (cfg.vocab_size, d)
@@ -314,8 +361,85 @@ def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any
     for path, variable in flat.items():
         name = ".".join(map(str, path))
         if path not in values:
-            raise StagelmError(f"{hf_dir}: no weight maps to stagelm parameter {name}")
+            raise StagelmError(f"{where}: no weight maps to stagelm parameter {name}")
         if values[path].shape != variable.shape:
-            raise StagelmError(f"{hf_dir}: weight for {name} has shape {values[path].shape}, expected {variable.shape}")
+            raise StagelmError(f"{where}: weight for {name} has shape {values[path].shape}, expected {variable.shape}")
         flat[path] = variable.replace(jax.numpy.asarray(values[path], variable.dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat)), context
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any) -> tuple[Decoder, int]:
+    """(stagelm Decoder, context length) of a local transformers Llama checkpoint (model.safetensors);
+    `vocab_size` and `settings` as `decoder_from_hf` takes them."""
+    hf_dir = Path(hf_dir)
+    cfg, context = import_config(hf_dir)
+    return decoder_from_hf(cfg, read_safetensors(hf_dir), hf_dir, vocab_size, **settings), context
+
+
+def hf_token(value: Any) -> str | None:
+    """A special token's spelling as tokenizer_config.json writes it: a string, or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
+    """chat.json of a transformers checkpoint (stagelm.chatformat), from its tokenizer_config.json (or
+    chat_template.jinja) and generation_config.json and config.json ids; its template is None when
+    it has none (a base model: text only). Every token named must be in `tok`, its own tokenizer."""
+    config_path = hf_dir / "tokenizer_config.json"
+    config = read_json_object(config_path, "the checkpoint's tokenizer_config.json") if config_path.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if (hf_dir / "chat_template.jinja").is_file():  # transformers 4.43+ saves it apart
+        template = (hf_dir / "chat_template.jinja").read_text()
+    if not isinstance(template, str) or not template.strip():
+        template = None
+    generation = hf_dir / "generation_config.json"
+    gen = read_json_object(generation, "fix or remove it") if generation.is_file() else {}
+    model = read_json_object(hf_dir / "config.json", "a transformers checkpoint's config.json")
+
+    def spelled(key: str) -> str | None:
+        token = hf_token(config.get(f"{key}_token"))
+        if token is None:
+            ids = gen.get(f"{key}_token_id", model.get(f"{key}_token_id"))
+            ids = ids if isinstance(ids, list) else [ids]
+            token = tok.id_to_token(ids[0]) if ids and isinstance(ids[0], int) else None
+        return token
+
+    eos = spelled("eos")
+    if eos is None:
+        raise StagelmError(f"{config_path}: no eos_token (nor an eos_token_id in generation_config.json); add one")
+    ends = gen.get("eos_token_id", model.get("eos_token_id"))
+    stops = [tok.id_to_token(i) for i in (ends if isinstance(ends, list) else [ends]) if isinstance(i, int)]
+    spec = {
+        "template": template,
+        "bos_token": spelled("bos"),
+        "eos_token": eos,
+        "pad_token": spelled("pad") or eos,
+        "unk_token": spelled("unk"),
+        "stop_tokens": [t for t in stops if t],
+        "add_bos_token": bool(config.get("add_bos_token", False)),
+    }
+    return with_end_of_turn(spec, tok, config_path)
+
+
+def with_end_of_turn(spec: dict[str, Any], tok: Any, where: Path) -> dict[str, Any]:
+    """`spec` with its template's end-of-turn token among the stop tokens: the first special token
+    the template writes after an assistant message's text."""
+    from stagelm.chatformat import ChatFormat
+
+    if spec["template"] is None:
+        return {**spec, "stop_tokens": list(dict.fromkeys([spec["eos_token"], *spec["stop_tokens"]]))}
+
+    chat = ChatFormat(tok, {**spec, "stop_tokens": [t for t in spec["stop_tokens"] if tok.token_to_id(t) is not None]})
+    turn = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    text = chat.render(turn, add_generation_prompt=False)
+    after = text[text.rfind("Hello.") + len("Hello.") :]
+    ends = [s for s in chat.specials if s in after]
+    first = min(ends, key=after.index) if ends else None
+    stops = list(dict.fromkeys(spec["stop_tokens"] + ([first] if first else [])))
+    if not stops:
+        raise StagelmError(f"{where}: nothing ends an assistant turn (no eos, no special token after it); add one")
+    return {**spec, "stop_tokens": stops}

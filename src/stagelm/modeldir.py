@@ -26,12 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tokenizers import Tokenizer
 
 from stagelm.config import NON_NEGATIVE, POSITIVE, ModelConfig, check_value
 from stagelm.errors import StagelmError
 from stagelm.files import atomic_write_bytes, copy_file, read_json_object, sha256_file, write_json
 from stagelm.model import Decoder, DecoderConfig
 from stagelm.sharding import param_shardings
+from stagelm.tokenizer import CHAT_FILE
 
 PARAMS_FILE = "params.safetensors"
 
@@ -86,17 +88,34 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def save_model(
-    out_dir: str | Path, model: Decoder, tokenizer_file: str | Path, extra: dict[str, Any] | None = None
+    out_dir: str | Path,
+    model: Decoder,
+    tokenizer: str | Path | Tokenizer,
+    extra: dict[str, Any] | None = None,
+    chat: dict[str, Any] | None = None,
 ) -> None:
-    """Write params, config.json and the tokenizer into `out_dir` (every process takes part);
-    config.json, written last, holds the hashes `load_model` checks."""
+    """Write params, config.json, the tokenizer (a tokenizer.json file, or a Tokenizer) and its chat
+    format into `out_dir` (every process takes part). The chat format is `chat` (chat.json's
+    contents), else the chat.json beside a tokenizer file (so a model derived from an imported one
+    keeps its template); none for stagelm's own. config.json, written last, holds the hashes
+    `load_model` checks."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_tensors(out_dir / PARAMS_FILE, nnx.state(model, nnx.Param))
-    if jax.process_index() == 0:
-        copy_file(tokenizer_file, out_dir / "tokenizer.json")
-        hashes = {"params_sha256": sha256_file(out_dir / PARAMS_FILE), "tokenizer_sha256": sha256_file(tokenizer_file)}
-        write_json(out_dir / "config.json", {**model.cfg.__dict__, **hashes, **(extra or {})})
+    if jax.process_index() != 0:
+        return
+    if isinstance(tokenizer, Tokenizer):
+        atomic_write_bytes(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True).encode())
+    else:
+        copy_file(tokenizer, out_dir / "tokenizer.json")
+        beside = Path(tokenizer).parent / CHAT_FILE
+        if chat is None and beside.is_file() and beside.resolve() != (out_dir / CHAT_FILE).resolve():
+            copy_file(beside, out_dir / CHAT_FILE)
+    if chat is not None:
+        write_json(out_dir / CHAT_FILE, chat)
+    tokenizer_sha = sha256_file(out_dir / "tokenizer.json")
+    hashes = {"params_sha256": sha256_file(out_dir / PARAMS_FILE), "tokenizer_sha256": tokenizer_sha}
+    write_json(out_dir / "config.json", {**model.cfg.__dict__, **hashes, **(extra or {})})
 
 
 # config.json's fields are checked by params.yaml's rules for the same keys (`ModelConfig`'s: so

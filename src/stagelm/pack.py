@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from tokenizers import Tokenizer
 
+from stagelm.chatformat import ChatFormat
 from stagelm.files import naming, sha256_file, write_json
 from stagelm.shards import SCHEMA_VERSION, encode_rows, token_type
-from stagelm.tokenizer import EOS, chat_segments, encode_joined, special_id
+from stagelm.tokenizer import encode_joined
 
 
 def segment_layout(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -251,24 +251,24 @@ class CorpusPacker:
         return write_manifest(w.out_dir, w.row_len, w.vocab_size, [self.close()], meta)
 
 
-def pack_corpus(tok: Tokenizer, batches: Iterable[list[str]], writer: ShardWriter) -> dict[str, Any]:
-    """Encode and pack (a share of) a corpus split streamed as batches of texts; return the writer's part."""
-    eos = special_id(tok, EOS)
-    packer = CorpusPacker(writer, eos)
+def pack_corpus(chat: ChatFormat, batches: Iterable[list[str]], writer: ShardWriter) -> dict[str, Any]:
+    """Encode and pack (a share of) a corpus split streamed as batches of texts; return the writer's part.
+    Each document ends with the tokenizer's eos (and starts with its bos, where its text does)."""
+    packer = CorpusPacker(writer, chat.eos)
     for texts in batches:
-        packer.add_joined(*encode_joined(tok, texts, eos))
+        packer.add_joined(*encode_joined(chat.tok, texts, chat.eos, chat.bos if chat.add_bos else None))
     return packer.close()
 
 
-def spill_corpus(tok: Tokenizer, batches: Iterable[list[str]], folder: Path, name: str, dtype: np.dtype) -> None:
+def spill_corpus(chat: ChatFormat, batches: Iterable[list[str]], folder: Path, name: str, dtype: np.dtype) -> None:
     """Encode (a share of) a corpus split streamed as batches of texts, appending its tokens
     (each document followed by EOS) to `folder/name.tokens` and each document's end (the
     offset one past its EOS) to `folder/name.ends`: raw arrays, read back by `Spilled`."""
-    eos = special_id(tok, EOS)
+    start = chat.bos if chat.add_bos else None
     end = 0
     with naming(folder), open(folder / f"{name}.tokens", "wb") as tokens, open(folder / f"{name}.ends", "wb") as ends:
         for texts in batches:
-            joined, lengths = encode_joined(tok, texts, eos)
+            joined, lengths = encode_joined(chat.tok, texts, chat.eos, start)
             joined.astype(dtype).tofile(tokens)
             (end + np.cumsum(lengths)).astype(np.int64).tofile(ends)
             end += int(lengths.sum())
@@ -318,9 +318,10 @@ def write_spilled(spilled: Spilled, writer: ShardWriter, index: int, count: int)
     return {**writer.close(), "documents": len(spilled.ends[index])}
 
 
-def pack_chats(tok: Tokenizer, conversations: list[list[dict]], row_len: int) -> tuple[dict[str, np.ndarray], int]:
-    """(packed columns with loss_mask, conversation count) of chat conversations, next-fit."""
-    encoded = [chat_segments(tok, messages) for messages in conversations]
+def pack_chats(chat: ChatFormat, conversations: list[list[dict]], row_len: int) -> tuple[dict[str, np.ndarray], int]:
+    """(packed columns with loss_mask, conversation count) of chat conversations in the tokenizer's
+    chat format (stagelm's, or a checkpoint's template), next-fit."""
+    encoded = [chat.conversation(messages) for messages in conversations]
     docs = [np.asarray(ids, np.int32) for ids, _ in encoded]
     masks = [np.asarray(mask, np.int32) for _, mask in encoded]
-    return pack_next_fit(docs, masks, row_len, special_id(tok, EOS)), len(docs)
+    return pack_next_fit(docs, masks, row_len, chat.eos), len(docs)

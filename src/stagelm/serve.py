@@ -40,12 +40,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from stagelm.chatformat import ChatFormat
 from stagelm.connection import LOOPBACK_NAMES, HostCheck, deadline_protocol, is_loopback, listen
 from stagelm.engine import Engine, Request
 from stagelm.errors import StagelmError
 from stagelm.generate import load_generator
 from stagelm.memory import kv_cache_bytes, require_memory
-from stagelm.tokenizer import ASSISTANT, chat_segments, special_id
 
 MAX_BODY = 1 << 20  # bytes of a request body
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
@@ -155,7 +155,8 @@ def unsupported(body: dict, n: int) -> None:
         raise BadRequest(f"best_of: only best_of = n ({n}) is supported; leave it out", "best_of")
 
 
-def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
+def chat_prompt(body: dict, chat: ChatFormat) -> list[int]:
+    """The ids of a request's `messages`, rendered in the model's chat format, ready for its answer."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: expected a non-empty list of {role, content} objects", "messages")
@@ -170,27 +171,24 @@ def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
             ):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
-        if role not in ("user", "assistant"):
-            raise BadRequest(
-                f"messages[{i}].role: {role!r} is not supported; stagelm chats have user and assistant turns",
-                "messages",
-            )
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content: expected a string", "messages")
         turns.append({"role": role, "content": text(content, "messages")})
     if turns[-1]["role"] != "user":
         raise BadRequest("messages: the last message must be the user's", "messages")
-    ids, _ = chat_segments(tokenizer, turns)
-    return ids + [special_id(tokenizer, ASSISTANT)]
+    try:
+        return chat.prompt(turns)
+    except StagelmError as err:  # a role the format lacks, or a template that refused or ran past its bounds
+        raise BadRequest(str(err), "messages") from None
 
 
-def completion_prompt(body: dict, tokenizer: Any) -> list[int]:
+def completion_prompt(body: dict, chat: ChatFormat) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt: expected a non-empty string", "prompt")
-    return tokenizer.encode(text(prompt, "prompt"), add_special_tokens=False).ids
+    return chat.text(text(prompt, "prompt"))
 
 
 # --- one choice's text --------------------------------------------------------------------
@@ -360,7 +358,7 @@ class Server:
 
         try:
             body = await self.body(http)
-            prompt = chat_prompt(body, self.tokenizer) if chat else completion_prompt(body, self.tokenizer)
+            prompt = chat_prompt(body, self.gen.chat) if chat else completion_prompt(body, self.gen.chat)
             default_max = self.engine.capacity if chat else 16
             opts = settings(body, self.engine.slots, default_max)
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:

