@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -243,19 +244,43 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="session")
-def micro_data(tmp_path_factory) -> Path:
-    """data/{raw,tokenizer,packed} of the micro params, made by the real stage scripts."""
-    root = tmp_path_factory.mktemp("micro_data")
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """`build(folder)`'s result, made once for the whole test run however many xdist workers need
+    it: the first to ask builds it in the run's shared temp folder under a file lock, the others
+    wait for it and read the same files (which no test may change; tests copy what they edit)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            result = build(folder)
+            done.write_text(str(result.relative_to(folder)))
+    return folder / done.read_text()
+
+
+def make_micro_data(root: Path) -> Path:
     (root / "inputs").mkdir()  # data.inputs: `stagelm check` run there wants the folder the download depends on
     write_params(root / "params.yaml", micro_params())
     return run_data_stages(root)
 
 
 @pytest.fixture(scope="session")
+def micro_data(tmp_path_factory) -> Path:
+    """data/{raw,tokenizer,packed} of the micro params, made by the real stage scripts (once a run)."""
+    return built_once(tmp_path_factory, "micro_data", make_micro_data)
+
+
+@pytest.fixture(scope="session")
 def pretrained(micro_data, tmp_path_factory):
-    """A micro model trained by the real pretrain stage (the SFT base and the distillation teacher)."""
-    work = tmp_path_factory.mktemp("pretrained")
+    """A micro model trained by the real pretrain stage (the SFT base and the distillation teacher), once a run."""
+    return built_once(tmp_path_factory, "pretrained", lambda work: pretrain_micro(micro_data, work))
+
+
+def pretrain_micro(micro_data: Path, work: Path) -> Path:
     write_params(work / "params.yaml", micro_params())
     run(
         [
@@ -277,3 +302,23 @@ def pretrained(micro_data, tmp_path_factory):
         work,
     )
     return work / "out/model"
+
+
+@pytest.fixture(scope="session")
+def built_project(tmp_path_factory):
+    """A micro project after one full `dvc repro` (copied per test, .dvc/cache included), once a run."""
+    return built_once(tmp_path_factory, "project", build_project)
+
+
+def build_project(folder):
+    root = make_project(folder / "stagelm", micro_params())
+    run(["dvc", "repro"], root)
+    run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qam", "repro"], root)  # as a user would
+    return root
+
+
+@pytest.fixture
+def project(built_project, tmp_path):
+    dest = tmp_path / "stagelm"
+    shutil.copytree(built_project, dest, symlinks=True)
+    return dest

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
+from conftest import ROOT, built_once, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
 from flax import nnx
 
 from stagelm.config import load_section
@@ -272,8 +272,11 @@ def test_anchor_term_by_hand():
 
 @pytest.fixture(scope="module")
 def policy(micro_data, tmp_path_factory):
-    """A micro model trained by the pretrain stage then the SFT stage (full fine-tuning)."""
-    work = tmp_path_factory.mktemp("policy")
+    """A micro model trained by the pretrain stage then the SFT stage (full fine-tuning), once a run."""
+    return built_once(tmp_path_factory, "policy", lambda work: train_policy(micro_data, work))
+
+
+def train_policy(micro_data, work):
     write_params(work / "params.yaml", micro_params(training={"steps": 40}, sft={"method": "full", "steps": 40}))
     py = sys.executable
     run(
