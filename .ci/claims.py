@@ -142,6 +142,11 @@ def distill_claims(params: dict) -> None:
         "distill_control: the same student and seed as distill, the teacher's terms off",
     )
     ev, ctl = load("runs/eval/distill/metrics.json"), load("runs/eval/distill_control/metrics.json")
+    target(
+        ev["val_loss"] < ctl["val_loss"],
+        f"distill: the student's corpus val loss {ev['val_loss']:.4f} against its control's "
+        f"{ctl['val_loss']:.4f} (lower)",
+    )
     for kind, bar in (("chat_sampled", 3), ("chat", -1)):
         a, b = ev[kind]["arithmetic"], ctl[kind]["arithmetic"]
         se = math.hypot(a["accuracy_se"], b["accuracy_se"])
@@ -160,9 +165,17 @@ def grpo_claims(params: dict) -> None:
     rows = Path("runs/grpo/plots/metrics/rollout/reward.tsv").read_text().strip().splitlines()[1:]
     rollouts = params["grpo"]["steps"] // params["grpo"]["updates_per_rollout"]
     claim(len(rows) == rollouts, f"grpo: {len(rows)} rollouts' rewards logged (steps / updates_per_rollout)")
-    first, last = m["reward_first10"], m["reward_last10"]
+    first, last = m["accuracy_first10"], m["accuracy_last10"]
     target(
-        last >= first + 0.05, f"grpo: rollout reward, first ten rollouts {first:.3f}, last ten {last:.3f} (>= +0.05)"
+        len(rows) >= 20 and last >= first + 0.05,
+        f"grpo: binary rollout accuracy over {len(rows)} rollouts (>= 20), first ten {first:.3f}, last ten {last:.3f} "
+        "(>= +0.05)",
+    )
+    entropy = Path("runs/grpo/plots/metrics/rollout/entropy.tsv").read_text().strip().splitlines()[1:]
+    claim(
+        len(entropy) == rollouts and "![grpo dynamics](report/grpo_dynamics.png)" in Path("runs/report.md").read_text(),
+        f"grpo: the policy's entropy logged for every rollout ({len(entropy)}) and plotted in the report "
+        f"({m['entropy_first10']:.3f} → {m['entropy_last10']:.3f} nats/token, first and last ten)",
     )
     sft, grpo = load("runs/eval/sft/metrics.json"), load("runs/eval/grpo/metrics.json")
     cost = grpo["val_loss"] - sft["val_loss"]
@@ -181,9 +194,12 @@ def grpo_claims(params: dict) -> None:
         target(greedy[0] >= bar, f"grpo: rewarded {family} greedy {greedy[1]} (>= {bar:+d})")
         passes = sft.get("chat_pass_k", {}).get(family), grpo.get("chat_pass_k", {}).get(family)
         if all(passes):
-            k = grpo["chat_pass_k"]["k"]
+            k, n = grpo["chat_pass_k"]["k"], passes[1]["n"]
             before, after = (p[f"pass_at_{k}"] for p in passes)
-            print(f"info  grpo: rewarded {family} pass@{k} {before:.3f} → {after:.3f}")
+            target(
+                n >= 100 and after >= before - 0.03,
+                f"grpo: rewarded {family} pass@{k} on {n} prompts (>= 100) {before:.3f} → {after:.3f} (>= -0.03)",
+            )
 
 
 def change(before: dict, after: dict) -> tuple[float, str]:
