@@ -480,7 +480,9 @@ class GrpoConfig(OptimizerConfig):
         one_of("adamw", "sgd"),
     )
     method: str = param(
-        "full: every weight trains; lora: only adapters train, and the saved model is merged", one_of("full", "lora")
+        "full: every weight trains; lora: only adapters train, and the saved model is merged; norms: only the "
+        "RMSNorm gains train (the logits' scale, per feature and layer: a sharpening at little cost)",
+        one_of("full", "lora", "norms"),
     )
     lora: LoraConfig = param("the adapters of method lora (the keys below)")
 

@@ -36,6 +36,10 @@ def check_rank(model: Decoder, lora: LoraConfig, key: str) -> None:
             )
 
 
+# The RMSNorm gains of a decoder (each block's two and the final one): a Variable filter.
+NORMS = nnx.All(nnx.Param, lambda path, _: str(path[-1]).endswith("norm"))
+
+
 def add_lora(base: Decoder, lora: LoraConfig, rngs: nnx.Rngs, key: str = "sft.lora") -> Decoder:
     """A copy of `base` with LoRA adapters on `lora.targets` (the model's output is unchanged: B = 0).
 
