@@ -26,6 +26,7 @@ from stagelm.grpo import (
     token_logprobs,
 )
 from stagelm.loader import PackedRows
+from stagelm.lora import NORMS
 from stagelm.model import Decoder, DecoderConfig, count_params
 from stagelm.modeldir import load_model, read_model_context
 from stagelm.sharding import make_mesh
@@ -139,6 +140,23 @@ def test_grad_accum_gives_the_update_of_one_batch():
         np.testing.assert_allclose(a, b, atol=1e-6)
         moved = max(moved, float(jnp.max(jnp.abs(a - before))))
     assert moved > 1e-3  # the step did move the weights
+
+
+def test_norms_method_trains_the_rmsnorm_gains_alone():
+    """grpo.method norms: the step moves each block's two gains and the final one, nothing else."""
+    model = Decoder(CFG, nnx.Rngs(0))
+    batch, _ = rollout_batch(model)
+    batch["on_policy"] = jnp.ones_like(batch["advantages"])
+    graphdef, gains, frozen = nnx.split(model, NORMS, ...)
+    assert len(jax.tree.leaves(gains)) == 2 * CFG.n_layers + 1
+    assert all(x.shape == (CFG.d_model,) for x in jax.tree.leaves(gains))
+    section = grpo_section(optimizer="sgd", lr=1.0, warmup_steps=0, grad_clip=0.0, weight_decay=0.0)
+    tx = make_optimizer(section, gains)
+    step = make_train_step(graphdef, tx, grpo_loss(0.2, 0.1))
+    micro = {k: v[None] for k, v in batch.items()}
+    state, _ = step(init_state(jax.tree.map(jnp.copy, gains), tx, jax.random.key(0)), frozen, micro)
+    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(gains))]
+    assert min(moved) > 0.0  # every gain took the step; the frozen rest is not in the step's state at all
 
 
 def test_rollout_entropy_is_the_policys_own(micro_data, policy):
@@ -330,6 +348,8 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
         "lr": 3e-4,
         "updates_per_rollout": 1,
         "kl_coef": 0.0,
+        "objective": "grpo",  # the policy gradient on every weight: rft trains on right answers, not on form
+        "method": "full",
     }
     write_params(tmp_path / "params.yaml", micro_params(grpo=change))
     run(grpo_command(micro_data, policy, tmp_path), tmp_path)
@@ -342,13 +362,15 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("method", ["norms", "lora"])  # norms: the shipped default (rft on the gains)
 def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, method):
     change = {"steps": 12, "eval_every": 12, "checkpoint_every": 2, "updates_per_rollout": 2, "kl_coef": 0.05}
     change |= {"dynamic_sampling": False}  # the plain rollout (one batch of prompts each)
     if method == "lora":  # adapters only, with the anchor term: its rows are drawn per (seed, rollout, update),
         # and dynamic sampling: the prompts a rollout drew beyond its own batch move the stream on
         change |= {"method": "lora", "lr": 1e-3, "dynamic_sampling": True, "max_draws": 2, "anchor_coef": 1.0}
+    else:  # the default's gains, on a reward the micro policy earns (rft would train on nothing: it answers no sum)
+        change |= {"objective": "grpo", "families": ["uses_word"], "format_weight": 1.0}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     for work in (killed, whole):
         work.mkdir()
@@ -365,10 +387,16 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
     assert drawn[0] == drawn[1] and (max(drawn[1]) > 8) == (method == "lora"), drawn
     provenance = read_json(whole / "out/provenance.json")
     assert provenance["stage"] == "grpo"
+    before = load_model(policy)
     if method == "lora":  # the saved model is merged: an ordinary decoder, moved off the SFT weights
         assert a.cfg.lora_rank == 0 and provenance["trainable_params"] < count_params(a)
-        before = jax.tree.leaves(nnx.state(load_model(policy)))
-        assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(nnx.state(a)), before, strict=True))
+        pairs = zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(before)), strict=True)
+        assert any(not np.array_equal(x, y) for x, y in pairs)
+    else:  # the gains moved and nothing else did
+        assert provenance["trainable_params"] == (2 * a.cfg.n_layers + 1) * a.cfg.d_model
+        for which, same in ((NORMS, False), (nnx.Not(NORMS), True)):
+            pairs = zip(jax.tree.leaves(nnx.state(a, which)), jax.tree.leaves(nnx.state(before, which)), strict=True)
+            assert all(np.array_equal(x, y) == same for x, y in pairs), which
 
 
 @pytest.mark.slow
