@@ -22,7 +22,7 @@ from stagelm.checkpoint import Checkpoints
 from stagelm.config import load_section, read_params
 from stagelm.evaluation import accuracy_of, answer_tasks, limit_per_family
 from stagelm.generate import Generator
-from stagelm.lora import add_lora
+from stagelm.lora import trainable_part
 from stagelm.modeldir import load_model, read_model_context
 from stagelm.rawdata import read_raw
 from stagelm.tokenizer import load_tokenizer
@@ -41,9 +41,7 @@ def main() -> None:
     params = read_params(args.params)
     cfg, ev = load_section(params, "grpo"), load_section(params, "eval")
     model = load_model(args.model)
-    trainable = nnx.Param
-    if cfg.method == "lora":
-        model, trainable = add_lora(model, cfg.lora, nnx.Rngs(0), "grpo.lora"), nnx.LoRAParam
+    model, trainable = trainable_part(model, cfg.method, cfg.lora, nnx.Rngs(0), "grpo.lora")
     graphdef, trained, frozen = nnx.split(model, trainable, ...)
     tx = make_optimizer(cfg, trained)
     target = init_state(trained, tx, jax.random.key(0))

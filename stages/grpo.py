@@ -22,7 +22,7 @@ from stagelm.files import read_json, write_json
 from stagelm.generate import Generator
 from stagelm.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.loader import PackedRows
-from stagelm.lora import NORMS, add_lora, merge_lora
+from stagelm.lora import merge_lora, trainable_part
 from stagelm.memory import generation_bytes, require_memory
 from stagelm.model import count_params
 from stagelm.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
@@ -49,11 +49,9 @@ def main() -> None:
     fp = stage_fingerprint(__file__, read, inputs)
 
     model = load_model(args.model, mesh)  # sharded like training: rollouts run on the same mesh
-    trainable = nnx.Param
-    if cfg.method == "lora":  # the reference stays the base: adapters start at zero
-        model, trainable = add_lora(model, cfg.lora, nnx.Rngs(seed), "grpo.lora"), nnx.LoRAParam
-    elif cfg.method == "norms":  # the gains scale each feature: training them sharpens (or flattens) the policy
-        trainable = NORMS
+    # lora: the reference stays the base (adapters start at zero); norms: the gains scale each
+    # feature, so training them alone sharpens (or flattens) the policy
+    model, trainable = trainable_part(model, cfg.method, cfg.lora, nnx.Rngs(seed), "grpo.lora")
     context = read_model_context(args.model)
     gen = Generator(model, load_tokenizer(tokenizer_file), context)
     rollouts = Rollouts(cfg, gen, nnx.graphdef(model), tasks, seed, anchor)

@@ -155,7 +155,8 @@ def test_norms_method_trains_the_rmsnorm_gains_alone():
     step = make_train_step(graphdef, tx, grpo_loss(0.2, 0.1))
     micro = {k: v[None] for k, v in batch.items()}
     state, _ = step(init_state(jax.tree.map(jnp.copy, gains), tx, jax.random.key(0)), frozen, micro)
-    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(gains))]
+    pairs = zip(jax.tree.leaves(state.params), jax.tree.leaves(gains), strict=True)
+    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in pairs]
     assert min(moved) > 0.0  # every gain took the step; the frozen rest is not in the step's state at all
 
 

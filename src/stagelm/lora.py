@@ -10,6 +10,7 @@ the frozen base weights. `merge_lora` folds each adapter into its weight
 import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import jax
 from flax import nnx
@@ -38,6 +39,14 @@ def check_rank(model: Decoder, lora: LoraConfig, key: str) -> None:
 
 # The RMSNorm gains of a decoder (each block's two and the final one): a Variable filter.
 NORMS = nnx.All(nnx.Param, lambda path, _: str(path[-1]).endswith("norm"))
+
+
+def trainable_part(model: Decoder, method: str, lora: LoraConfig, rngs: nnx.Rngs, key: str) -> tuple[Decoder, Any]:
+    """The model a `method` trains and the filter of its trainable Variables: full, every Param;
+    lora, adapters added on `lora.targets` (a copy, its output unchanged); norms, the RMSNorm gains."""
+    if method == "lora":
+        return add_lora(model, lora, rngs, key), nnx.LoRAParam
+    return model, NORMS if method == "norms" else nnx.Param
 
 
 def add_lora(base: Decoder, lora: LoraConfig, rngs: nnx.Rngs, key: str = "sft.lora") -> Decoder:
