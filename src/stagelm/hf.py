@@ -295,7 +295,7 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
 
 
 def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a transformers checkpoint's *.safetensors files (never a pickled .bin)."""
+    """Every tensor of a transformers checkpoint's safetensors files (never a pickled .bin)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
