@@ -106,6 +106,7 @@ def main() -> None:
     from stagelm.benchmark import cpu_model, matmul_gflops
     from stagelm.generate import load_generator
     from stagelm.gguf_file import export_gguf
+    from stagelm.model import count_params
 
     gen = load_generator(args.model)
     vocab = gen.tokenizer.get_vocab_size()
@@ -143,7 +144,7 @@ def main() -> None:
                     "ratio": round(stagelm_tps / llama_tps, 2),
                     "greedy_tokens_agreeing_before_first_difference": agree,
                     "model": str(args.model),
-                    "params": gen.model.cfg.__dict__.get("d_model"),
+                    "params": count_params(gen.model),
                     **machine,
                 }
             )

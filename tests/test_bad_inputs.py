@@ -166,11 +166,12 @@ def test_export_hf_replaces_only_a_previous_export_and_never_its_source(monkeypa
     for _ in range(2):  # the second export replaces the first
         monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(out)])
         cli.main()
-    assert sorted(p.name for p in out.iterdir()) == sorted(EXPORT_FILES)
+    written = sorted(set(EXPORT_FILES) - {"model.gguf"})  # the export stage writes the GGUF beside them
+    assert sorted(p.name for p in out.iterdir()) == written
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
     (tmp_path / "plain").write_text("")  # the mode any new file gets under this umask
     assert {p.name: p.stat().st_mode for p in out.iterdir()} == dict.fromkeys(
-        EXPORT_FILES, (tmp_path / "plain").stat().st_mode
+        written, (tmp_path / "plain").stat().st_mode
     )  # model.safetensors too, not safetensors' own 0o600
     (out / "notes.md").write_text("mine")
     before = tree_bytes(tmp_path)
@@ -354,6 +355,7 @@ def test_export_and_import_refuse_dvc_outputs_and_other_files(monkeypatch, capsy
         monkeypatch.setattr(sys, "argv", ["stagelm", "import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")])
         cli.main()
     assert sorted(p.name for p in (tmp_path / "imported").iterdir()) == [
+        "chat.json",  # the checkpoint's chat format (here stagelm's own, which the export wrote)
         "config.json",
         "params.safetensors",
         "tokenizer.json",

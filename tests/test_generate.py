@@ -138,8 +138,8 @@ def test_bad_inputs(gen, micro_data, tmp_path):
         Sampling(temperature=-0.1)
     with pytest.raises(StagelmError, match="exceed the cache capacity of 96"):
         gen.generate([list(range(10, 90))], 40)
-    other = DecoderConfig(
-        vocab_size=gen.model.cfg.vocab_size + 1, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64
+    other = DecoderConfig(  # fewer rows than the tokenizer has tokens (more are padding, as checkpoints pad)
+        vocab_size=gen.tokenizer.get_vocab_size() - 1, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64
     )
     with pytest.raises(StagelmError, match="use the tokenizer.json saved with the model"):
         Generator(Decoder(other, nnx.Rngs(0)), gen.tokenizer, 64)

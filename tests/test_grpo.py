@@ -65,8 +65,14 @@ def group(correct: list[bool], rewards: list[float] | None = None) -> Group:
     return Group(0, np.zeros((n, 3), np.int32), rewards, correct, [True] * n, [3] * n, [0.6] * n)
 
 
+# The policy gradient on every weight (the shipped default is rft on the norms): the tests of
+# its update by hand, and those whose micro policy earns only the format reward, which rft ignores
+GRPO_OBJECTIVE = {"objective": "grpo", "method": "full"}
+
+
 def grpo_section(**change):
-    return load_section(micro_params(grpo=change), "grpo")
+    """The grpo section, GRPO's own objective on every weight unless `change` says otherwise."""
+    return load_section(micro_params(grpo=GRPO_OBJECTIVE | change), "grpo")
 
 
 def test_sample_weights_of_each_objective_by_hand():
@@ -370,6 +376,7 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
     if method == "lora":  # adapters only, with the anchor term: its rows are drawn per (seed, rollout, update),
         # and dynamic sampling: the prompts a rollout drew beyond its own batch move the stream on
         change |= {"method": "lora", "lr": 1e-3, "dynamic_sampling": True, "max_draws": 2, "anchor_coef": 1.0}
+        change |= {"objective": "grpo"}  # the micro policy answers no sum right: rft would train on nothing
     else:  # the default's gains, on a reward the micro policy earns (rft would train on nothing: it answers no sum)
         change |= {"objective": "grpo", "families": ["uses_word"], "format_weight": 1.0}
     killed, whole = tmp_path / "killed", tmp_path / "whole"
@@ -440,7 +447,7 @@ def test_the_update_scores_the_sampled_tokens_as_the_sampler_drew_them(micro_dat
     KV-cache sampler drew them with: same positions, segments, padding and mask."""
     # two updates per rollout: the update's old log-probs are then the policy's own, scored as the loss scores them
     change = {"prompts_per_step": 8, "group_size": 4, "anchor_coef": 0.0, "updates_per_rollout": 2}
-    cfg = load_section(micro_params(grpo=change), "grpo")
+    cfg = grpo_section(**change)
     tasks, _ = rollout_sets(micro_data / "raw", cfg)
     model = load_model(policy)
     gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
@@ -543,7 +550,7 @@ def test_dynamic_sampling_fills_the_update_with_groups_that_differ(micro_data, p
     gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
 
     def rollout(dynamic: bool) -> tuple[dict, dict]:
-        cfg = load_section(micro_params(grpo=change | {"dynamic_sampling": dynamic}), "grpo")
+        cfg = grpo_section(**change, dynamic_sampling=dynamic)
         rollouts = Rollouts(cfg, gen, nnx.graphdef(model), rollout_sets(micro_data / "raw", cfg)[0], seed=0)
         metrics = rollouts.draw(gen.params)
         return metrics, rollouts.batch

@@ -52,7 +52,7 @@ def read_checkpoint(source: str | Path, weights: bool = True, vocab_size: int | 
     `weights` is False), context length, own tokenizer and chat spec. `vocab_size` and `settings`
     as `hf.decoder_from_hf` takes them."""
     from stagelm.gguf_file import import_gguf, open_gguf
-    from stagelm.hf import hf_chat_spec, import_hf
+    from stagelm.hf import hf_chat_spec, import_config, import_hf
 
     source = Path(source)
     if is_gguf(source):
@@ -66,14 +66,15 @@ def read_checkpoint(source: str | Path, weights: bool = True, vocab_size: int | 
         return Checkpoint(model, context, tok, spec)
     if not source.is_dir():
         raise StagelmError(f"{source}: neither a transformers checkpoint folder nor a .gguf file; check the path")
+    import_config(source)  # the config, then the tokenizer, the weights and the chat spec: each checked before use
     tokenizer = source / "tokenizer.json"
     if not tokenizer.is_file():
         raise StagelmError(f"{tokenizer}: missing; the checkpoint needs a fast tokenizer's tokenizer.json")
     tok = read_tokenizer_file(tokenizer, "the checkpoint needs a fast tokenizer's tokenizer.json")
+    model, context = import_hf(source, vocab_size, **settings) if weights else (None, None)
     spec = hf_chat_spec(source, tok)
     if not weights:
         return Checkpoint(None, None, tok, spec, tokenizer)
-    model, context = import_hf(source, vocab_size, **settings)
     if tok.get_vocab_size() > model.cfg.vocab_size:
         raise StagelmError(
             f"{tokenizer}: {tok.get_vocab_size():,} tokens, more than the model's vocab_size "
