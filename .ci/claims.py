@@ -159,14 +159,15 @@ def distill_claims(params: dict) -> None:
 
 
 def grpo_claims(params: dict) -> None:
-    """GRPO against SFT (issue 36): rewarded families gain, every other family holds, the language model holds."""
+    """GRPO against SFT: rewarded families gain, every other family holds, the language model holds (issue 36),
+    and the issue-46 targets, gated since they held on seeds 0, 1 and 2 (docs/grpo.md)."""
     m = load("runs/grpo/metrics.json")
     claim(m["step"] == params["grpo"]["steps"], f"grpo: ran grpo.steps={m['step']} optimizer steps")
     rows = Path("runs/grpo/plots/metrics/rollout/reward.tsv").read_text().strip().splitlines()[1:]
     rollouts = params["grpo"]["steps"] // params["grpo"]["updates_per_rollout"]
     claim(len(rows) == rollouts, f"grpo: {len(rows)} rollouts' rewards logged (steps / updates_per_rollout)")
     first, last = m["accuracy_first10"], m["accuracy_last10"]
-    target(
+    claim(
         len(rows) >= 20 and last >= first + 0.05,
         f"grpo: binary rollout accuracy over {len(rows)} rollouts (>= 20), first ten {first:.3f}, last ten {last:.3f} "
         "(>= +0.05)",
@@ -179,7 +180,7 @@ def grpo_claims(params: dict) -> None:
     )
     sft, grpo = load("runs/eval/sft/metrics.json"), load("runs/eval/grpo/metrics.json")
     cost = grpo["val_loss"] - sft["val_loss"]
-    target(cost <= 0.05, f"grpo: corpus val loss {sft['val_loss']:.3f} → {grpo['val_loss']:.3f} nats (<= +0.05)")
+    claim(cost <= 0.05, f"grpo: corpus val loss {sft['val_loss']:.3f} → {grpo['val_loss']:.3f} nats (<= +0.05)")
     rewarded = params["grpo"]["families"]
     for family in sorted(k for k, v in grpo["chat"].items() if isinstance(v, dict)):
         greedy = change(sft["chat"][family], grpo["chat"][family])
@@ -188,15 +189,15 @@ def grpo_claims(params: dict) -> None:
             continue
         constant_answer_claim(family)
         sampled = change(sft["chat_sampled"][family], grpo["chat_sampled"][family])
-        target(sampled[0] >= 5, f"grpo: rewarded {family} sampled {sampled[1]} (>= +5)")
+        claim(sampled[0] >= 5, f"grpo: rewarded {family} sampled {sampled[1]} (>= +5)")
         headroom = sft["chat"][family]["accuracy"] < 0.7  # the family SFT leaves room on
         bar = 3 if headroom else -1
-        target(greedy[0] >= bar, f"grpo: rewarded {family} greedy {greedy[1]} (>= {bar:+d})")
+        claim(greedy[0] >= bar, f"grpo: rewarded {family} greedy {greedy[1]} (>= {bar:+d})")
         passes = sft.get("chat_pass_k", {}).get(family), grpo.get("chat_pass_k", {}).get(family)
         if all(passes):
             k, n = grpo["chat_pass_k"]["k"], passes[1]["n"]
             before, after = (p[f"pass_at_{k}"] for p in passes)
-            target(
+            claim(
                 n >= 100 and after >= before - 0.03,
                 f"grpo: rewarded {family} pass@{k} on {n} prompts (>= 100) {before:.3f} → {after:.3f} (>= -0.03)",
             )
