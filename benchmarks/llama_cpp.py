@@ -2,8 +2,8 @@
 
     python -m venv ~/.cache/llamacpp && CMAKE_BUILD_PARALLEL_LEVEL=2 ~/.cache/llamacpp/bin/pip install \\
         llama-cpp-python==0.3.36 numpy                                   # builds llama.cpp: ~20 min on 2 cores
-    stagelm import-gguf SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2  # a model directory
-    python benchmarks/llama_cpp.py /tmp/smollm2 --llama-python ~/.cache/llamacpp/bin/python
+    stagelm import-gguf SmolLM2-135M-Instruct.Q4_1.gguf smollm2   # a model directory
+    python benchmarks/llama_cpp.py smollm2 --llama-python ~/.cache/llamacpp/bin/python
     python benchmarks/llama_cpp.py runs/sft/model --llama-python ...    # a stagelm-trained model too
 
 Exports the model with `stagelm export-gguf` (float32), then times greedy decoding of

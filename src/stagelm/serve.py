@@ -548,6 +548,7 @@ def serve(
     port = sock.getsockname()[1]
     hosts = (*LOOPBACK_NAMES, *allow_hosts) if is_loopback(host) else allow_hosts
     server = Server(model_dir, name or str(model_dir), slots, queue, hosts)
+    print(f"serve: {model_dir} loaded; compiling for 1 to {slots} requests at once before serving", flush=True)
     server.warm_up()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again: let it
     # end the process as usual (the stages' handler would print advice about checkpoints).
