@@ -138,7 +138,7 @@ def test_its_chat_template_renders_as_transformers_renders_it(imported):
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # its own default
 
 
-def test_the_server_answers_in_its_template_and_stops_at_its_end_of_turn(imported, tmp_path):
+def test_the_server_and_generate_answer_in_its_template_and_stop_at_its_end_of_turn(imported, tmp_path):
     from test_serve import Server
 
     server = Server(imported, tmp_path / "serve.log", "--slots", "1")
@@ -155,6 +155,12 @@ def test_the_server_answers_in_its_template_and_stops_at_its_end_of_turn(importe
     reply = answer.choices[0]
     assert reply.finish_reason == "stop" and "Paris" in reply.message.content  # <|im_end|> ended it
     assert "<|im_" not in reply.message.content and answer.usage.completion_tokens < 60
+    out = run(
+        ["stagelm", "generate", str(imported), "--chat", "--prompt", "What is the capital of France?"]
+        + ["--max-new-tokens", "60"],
+        tmp_path,
+    ).stdout
+    assert "Paris" in out and "<|im_" not in out
 
 
 def test_two_lora_sft_steps_lower_its_loss_on_the_chats(imported, micro_data, tmp_path):
