@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
-# glibc's malloc advises huge pages for XLA's step buffers (src/stagelm/hugepages.py says
+# glibc's malloc advises huge pages for XLA's step buffers (src/stagelm/infra/hugepages.py says
 # why); set here, stage processes need not restart themselves to get it. A setting of
 # glibc.malloc.hugetlb already in the environment is kept.
 ifeq ($(findstring glibc.malloc.hugetlb,$(GLIBC_TUNABLES)),)

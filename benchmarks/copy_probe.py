@@ -23,10 +23,10 @@ import numpy as np
 import pyarrow.parquet as pq
 from flax import nnx
 
-from stagelm.grpo import token_logprobs
-from stagelm.modeldir import load_model
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.model.modeldir import load_model
+from stagelm.post.grpo import token_logprobs
 from stagelm.tasks.words import NAMES
-from stagelm.tokenizer import load_tokenizer
 
 NAME_TOKENS = {"Ġ" + n for n in NAMES} | set(NAMES)
 

@@ -2,7 +2,7 @@
 
     python benchmarks/copying.py [--vocab 870] [--d-model 128] [--layers 4] [--seq-len 256] [--span 24] [--steps 200]
 
-Trains `stagelm.model.Decoder` (the default model shape, the pretrain stage's AdamW
+Trains `stagelm.model.decoder.Decoder` (the default model shape, the pretrain stage's AdamW
 settings: lr 3e-3, beta2 0.95, weight decay 0.1, clip 1.0, no schedule) on rows made
 only of random token spans each written twice, and prints every 25 steps the loss on
 the second copies: it starts at ln(vocab) and falls towards 0 once attention has
@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from stagelm.model import Decoder, DecoderConfig
+from stagelm.model.decoder import Decoder, DecoderConfig
 
 
 def main() -> None:

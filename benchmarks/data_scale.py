@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from stagelm.files import read_json
+from stagelm.infra.files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_CHARS = 100_000_000  # text per corpus file
@@ -53,7 +53,7 @@ def write_corpus(folder: Path, chars: int, fmt: str) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stagelm import synthetic
+    from stagelm.data import synthetic
 
     folder.mkdir(parents=True, exist_ok=True)
     base = synthetic.generate(0, 16000, 1, 1, 1)["corpus"]

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer, models
 
-from stagelm.generate import Generator, load_generator
-from stagelm.model import Decoder, DecoderConfig
+from stagelm.infer.generate import Generator, load_generator
+from stagelm.model.decoder import Decoder, DecoderConfig
 
 PRESETS = {"tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688)}
 

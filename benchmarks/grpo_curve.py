@@ -18,15 +18,15 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from stagelm.checkpoint import Checkpoints
-from stagelm.config import load_section, read_params
-from stagelm.evaluation import accuracy_of, answer_tasks, limit_per_family
-from stagelm.generate import Generator
-from stagelm.lora import trainable_part
-from stagelm.modeldir import load_model, read_model_context
-from stagelm.rawdata import read_raw
-from stagelm.tokenizer import load_tokenizer
-from stagelm.trainstep import init_state, make_optimizer
+from stagelm.data.rawdata import read_raw
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.infer.generate import Generator
+from stagelm.measure.evaluation import accuracy_of, answer_tasks, limit_per_family
+from stagelm.model.lora import trainable_part
+from stagelm.model.modeldir import load_model, read_model_context
+from stagelm.pipeline.config import load_section, read_params
+from stagelm.train.checkpoints import Checkpoints
+from stagelm.train.step import init_state, make_optimizer
 
 
 def main() -> None:

@@ -103,10 +103,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
 
-    from stagelm.benchmark import cpu_model, matmul_gflops
-    from stagelm.generate import load_generator
-    from stagelm.gguf_file import export_gguf
-    from stagelm.model import count_params
+    from stagelm.infer.generate import load_generator
+    from stagelm.interop.gguf_file import export_gguf
+    from stagelm.measure.benchmark import cpu_model, matmul_gflops
+    from stagelm.model.decoder import count_params
 
     gen = load_generator(args.model)
     vocab = gen.tokenizer.get_vocab_size()

@@ -13,10 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from stagelm.chatformat import ChatFormat
-from stagelm.pack import ShardWriter, pack_corpus
-from stagelm.rawdata import iter_column, read_raw
-from stagelm.tokenizer import load_tokenizer
+from stagelm.data.chatformat import ChatFormat
+from stagelm.data.pack import ShardWriter, pack_corpus
+from stagelm.data.rawdata import iter_column, read_raw
+from stagelm.data.tokenizer import load_tokenizer
 
 
 def best_of(reps: int, fn) -> float:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import jax
 
-from stagelm.benchmark import matmul_gflops
-from stagelm.generate import Sampling, load_generator
+from stagelm.infer.generate import Sampling, load_generator
+from stagelm.measure.benchmark import matmul_gflops
 
 PROMPTS = [
     "Once upon a time,",

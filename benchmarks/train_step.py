@@ -5,7 +5,7 @@
 
 Prints one JSON line: median tokens/s over timed steps after warm-up, first-call
 (compile) time apart, and the timed steps' page faults and kernel time. It starts itself
-again with huge pages for malloc as the stages do (src/stagelm/hugepages.py);
+again with huge pages for malloc as the stages do (src/stagelm/infra/hugepages.py);
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` times it without. Run it back to back with
 ../shared/bench/torch_reference.py (see benchmarks/README.md) and compare medians from
 the same run.
@@ -22,10 +22,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from stagelm.benchmark import bench_optimizer
-from stagelm.hugepages import restart_with_huge_pages
-from stagelm.model import Decoder, DecoderConfig, flops_per_token
-from stagelm.trainstep import init_state, make_optimizer, make_train_step
+from stagelm.infra.hugepages import restart_with_huge_pages
+from stagelm.measure.benchmark import bench_optimizer
+from stagelm.model.decoder import Decoder, DecoderConfig, flops_per_token
+from stagelm.train.step import init_state, make_optimizer, make_train_step
 
 PRESETS = {
     "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688, seq_len=256, batch=16),
@@ -34,7 +34,7 @@ PRESETS = {
 
 
 def main() -> None:
-    restart_with_huge_pages()  # as every stage runs (src/stagelm/hugepages.py)
+    restart_with_huge_pages()  # as every stage runs (src/stagelm/infra/hugepages.py)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--dtype", default="float32")
@@ -83,7 +83,7 @@ def main() -> None:
                 "tokens_per_sec_max": n / min(times),
                 "seconds_median": median,
                 "first_call_seconds": first,
-                # per timed step: page faults and kernel time (src/stagelm/hugepages.py)
+                # per timed step: page faults and kernel time (src/stagelm/infra/hugepages.py)
                 "minor_faults_per_step": (after.ru_minflt - before.ru_minflt) / len(times),
                 "system_seconds_per_step": (after.ru_stime - before.ru_stime) / len(times),
                 "user_seconds_per_step": (after.ru_utime - before.ru_utime) / len(times),

@@ -9,7 +9,7 @@ under stable keys to `<out>/metrics.json`, every raw sample to `<out>/samples.js
 and provenance.
 MFU is measured against a large jitted matmul timed in the same run and, on a
 device with a published peak (hardware.PEAK_FLOPS), against that peak too. When torch
-is importable, the same shape in plain PyTorch (stagelm.torch_peer) is timed in the
+is importable, the same shape in plain PyTorch (stagelm.measure.torch_peer) is timed in the
 same run and the ratios are recorded under `torch`; without it that part is skipped.
 """
 
@@ -18,7 +18,12 @@ import json
 
 import jax
 
-from stagelm.benchmark import (
+from stagelm.data.loader import PackedRows
+from stagelm.infra.devices import peak_flops
+from stagelm.infra.errors import run_main
+from stagelm.infra.files import atomic_write_bytes, write_json
+from stagelm.infra.memory import benchmark_bytes, require_memory
+from stagelm.measure.benchmark import (
     SCHEMA_VERSION,
     bench_decode,
     bench_loader,
@@ -30,14 +35,9 @@ from stagelm.benchmark import (
     mfu,
     summary,
 )
-from stagelm.config import load_section, section_dict
-from stagelm.errors import run_main
-from stagelm.files import atomic_write_bytes, write_json
-from stagelm.hardware import peak_flops
-from stagelm.loader import PackedRows
-from stagelm.memory import benchmark_bytes, require_memory
-from stagelm.provenance import git_state
-from stagelm.stage import start
+from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.provenance import git_state
+from stagelm.pipeline.stage import start
 
 
 def main() -> None:
@@ -71,7 +71,7 @@ def main() -> None:
 
     peer = None
     if importlib.util.find_spec("torch") is not None:  # the PyTorch peer, side by side, when installed
-        from stagelm.torch_peer import run_peer
+        from stagelm.measure.torch_peer import run_peer
 
         peer = run_peer(cfg, warm, reps)
         samples["torch.train.tokens_per_sec"] = [tokens_per_step / s for s in peer["train_step_seconds"]]

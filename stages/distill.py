@@ -6,12 +6,12 @@
 
 The student has the shape `distill.student` (the teacher's tokenizer, RoPE and norms).
 With `distill.init: teacher` it starts as the teacher pruned to that shape (its layers
-evenly spaced, each MLP's strongest units; stagelm.distill.student_from_teacher), with
+evenly spaced, each MLP's strongest units; stagelm.post.distill.student_from_teacher), with
 `scratch` from random weights drawn with `seed`. `distill.data` picks its rows: the
 packed corpus, the SFT conversations (assistant tokens only) or both; with
 `distill.on_policy` > 0 that share of the steps instead samples the student's answers
 to the SFT prompts of `--raw` (the download stage's folder) and trains them toward
-the teacher's per-token distribution (stagelm.distill.OnPolicyBatches). val/loss is
+the teacher's per-token distribution (stagelm.post.distill.OnPolicyBatches). val/loss is
 the student's own next-token loss on the corpus val split.
 
 `--control` trains the same student (shape, init, data, steps, seed) with the teacher's
@@ -27,9 +27,15 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import load_section, load_seed, section_dict
-from stagelm.distill import (
+from stagelm.data.loader import MixedRows, PackedRows
+from stagelm.data.rawdata import read_raw
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.infer.generate import Generator
+from stagelm.infra.errors import StagelmError, run_main
+from stagelm.model.decoder import Decoder, count_params
+from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
+from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.post.distill import (
     STUDENT,
     Distiller,
     OnPolicyBatches,
@@ -39,14 +45,8 @@ from stagelm.distill import (
     student_lm_loss,
     teacher_layers,
 )
-from stagelm.errors import StagelmError, run_main
-from stagelm.generate import Generator
-from stagelm.loader import MixedRows, PackedRows
-from stagelm.model import Decoder, count_params
-from stagelm.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
-from stagelm.rawdata import read_raw
-from stagelm.tokenizer import load_tokenizer
-from stagelm.trainloop import PackedBatches, record_training, start_training, train
+from stagelm.train.checkpoints import stage_fingerprint
+from stagelm.train.loop import PackedBatches, record_training, start_training, train
 
 # The keys the control run does not read, for `stagelm deps` and dvc.yaml.
 UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature", "distill.kl", "distill.on_policy"]}

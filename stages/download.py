@@ -6,10 +6,10 @@ The corpus streams through in batches (memory does not grow with it); the manife
 written last, so a killed run leaves no folder that looks done.
 """
 
-from stagelm.config import load_section, section_dict
-from stagelm.download import write_download
-from stagelm.errors import run_main
-from stagelm.stage import beside, start
+from stagelm.data.download import write_download
+from stagelm.infra.errors import run_main
+from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.stage import beside, start
 
 
 def main() -> None:

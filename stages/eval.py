@@ -11,10 +11,16 @@ import json
 
 import jax
 
-from stagelm.chatformat import load_chat_format
-from stagelm.config import load_section, section_dict
-from stagelm.errors import run_main
-from stagelm.evaluation import (
+from stagelm.data.chatformat import load_chat_format
+from stagelm.data.loader import PackedRows
+from stagelm.data.rawdata import read_raw
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.infer.generate import BUCKET, Generator
+from stagelm.infra.errors import run_main
+from stagelm.infra.files import atomic_write_bytes, write_json
+from stagelm.infra.memory import generation_bytes, require_memory
+from stagelm.infra.mesh import make_mesh
+from stagelm.measure.evaluation import (
     FORMATS,
     answer_tasks,
     family_accuracy,
@@ -24,16 +30,10 @@ from stagelm.evaluation import (
     task_prompts,
     val_metrics,
 )
-from stagelm.files import atomic_write_bytes, write_json
-from stagelm.generate import BUCKET, Generator
-from stagelm.loader import PackedRows
-from stagelm.memory import generation_bytes, require_memory
-from stagelm.meshbatch import check_batch
-from stagelm.modeldir import load_model, read_model_context
-from stagelm.rawdata import read_raw
-from stagelm.sharding import make_mesh
-from stagelm.stage import start
-from stagelm.tokenizer import load_tokenizer
+from stagelm.model.modeldir import load_model, read_model_context
+from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.stage import start
+from stagelm.train.batches import check_batch
 
 # Host memory per generated token of a kept answer: its text (up to 4 characters a token),
 # the JSON line written from it, and the ids of its batch while they are decoded.

@@ -3,16 +3,16 @@
     python stages/export.py --params params.yaml --model runs/sft/model --out runs/export/sft
 
 Writes what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load
-(see stagelm.hf) and, beside it, `model.gguf` for llama.cpp and Ollama (stagelm.gguf_file;
+(see stagelm.interop.hf) and, beside it, `model.gguf` for llama.cpp and Ollama (stagelm.interop.gguf_file;
 matrices in `export.gguf_dtype`); its provenance goes beside the folder, `<out>.provenance.json`.
 """
 
-from stagelm.config import load_section, section_dict
-from stagelm.errors import run_main
-from stagelm.gguf_file import export_gguf
-from stagelm.hf import export_hf
-from stagelm.modeldir import PARAMS_FILE
-from stagelm.stage import beside, start
+from stagelm.infra.errors import run_main
+from stagelm.interop.gguf_file import export_gguf
+from stagelm.interop.hf import export_hf
+from stagelm.model.modeldir import PARAMS_FILE
+from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.stage import beside, start
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 
 The policy starts from `--model` and the reference is a frozen copy of it. Prompts
 are the rl task set's, in chat format, of the families in `grpo.families`; the
-rewards are the families' checkers (see stagelm.grpo). The anchor rows are the raw
+rewards are the families' checkers (see stagelm.post.grpo). The anchor rows are the raw
 SFT conversations of the other families. With `grpo.method: lora` only adapters
 train and `<out>/model/` is the merged model. val/loss is the policy's next-token
 loss on the corpus val split: what RL costs the language model.
@@ -15,21 +15,21 @@ import jax
 import numpy as np
 from flax import nnx
 
-from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import load_section, load_seed, section_dict
-from stagelm.errors import run_main
-from stagelm.files import read_json, write_json
-from stagelm.generate import Generator
-from stagelm.grpo import Rollouts, grpo_loss, rollout_sets
-from stagelm.loader import PackedRows
-from stagelm.lora import merge_lora, trainable_part
-from stagelm.memory import generation_bytes, require_memory
-from stagelm.model import count_params
-from stagelm.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
+from stagelm.data.loader import PackedRows
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.infer.generate import Generator
+from stagelm.infra.errors import run_main
+from stagelm.infra.files import read_json, write_json
+from stagelm.infra.memory import generation_bytes, require_memory
+from stagelm.model.decoder import count_params
+from stagelm.model.lora import merge_lora, trainable_part
+from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
+from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.post.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.tasks import require_families
-from stagelm.tokenizer import load_tokenizer
-from stagelm.trainloop import record_training, start_training, train
-from stagelm.trainstep import lm_loss
+from stagelm.train.checkpoints import stage_fingerprint
+from stagelm.train.loop import record_training, start_training, train
+from stagelm.train.step import lm_loss
 
 
 def main() -> None:

@@ -18,13 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from stagelm import distributed
-from stagelm.chatformat import load_chat_format
-from stagelm.config import load_section, section_dict
-from stagelm.errors import run_main
-from stagelm.files import read_json, replace_folder, sha256_file, write_json
-from stagelm.memory import host_available, pack_buffer_bytes, require_memory
-from stagelm.pack import (
+from stagelm.data.chatformat import load_chat_format
+from stagelm.data.pack import (
     ShardWriter,
     Spilled,
     pack_chats,
@@ -34,10 +29,15 @@ from stagelm.pack import (
     write_spilled,
     write_split,
 )
-from stagelm.rawdata import iter_column, read_raw
-from stagelm.shards import token_type
-from stagelm.stage import beside, start
-from stagelm.tokenizer import load_tokenizer
+from stagelm.data.rawdata import iter_column, read_raw
+from stagelm.data.shard_format import token_type
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.infra import distributed
+from stagelm.infra.errors import run_main
+from stagelm.infra.files import read_json, replace_folder, sha256_file, write_json
+from stagelm.infra.memory import host_available, pack_buffer_bytes, require_memory
+from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.stage import beside, start
 
 
 def main() -> None:

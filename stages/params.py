@@ -9,10 +9,10 @@ its stamp, so `dvc repro` fails here, naming the key, before anything runs. The 
 bytes never change, so a valid edit reruns this stage and only what reads the edited key.
 """
 
-from stagelm.config import require_inputs, validate_params
-from stagelm.errors import run_main
-from stagelm.files import write_json
-from stagelm.stage import start
+from stagelm.infra.errors import run_main
+from stagelm.infra.files import write_json
+from stagelm.pipeline.config import require_inputs, validate_params
+from stagelm.pipeline.stage import start
 from stagelm.tasks import require_family_sets
 
 

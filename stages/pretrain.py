@@ -13,16 +13,16 @@ saved model keeps its context length and its tokenizer's chat.json.
 import jax
 from flax import nnx
 
-from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import init_dir, load_section, load_seed, section_dict
-from stagelm.errors import StagelmError, run_main
-from stagelm.hardware import peak_flops
-from stagelm.imports import read_checkpoint
-from stagelm.loader import PackedRows
-from stagelm.memory import param_count, require_memory, training_state_bytes
-from stagelm.model import Decoder, DecoderConfig, count_params, flops_per_token
-from stagelm.modeldir import save_model
-from stagelm.trainloop import record_training, start_training, train
+from stagelm.data.loader import PackedRows
+from stagelm.infra.devices import peak_flops
+from stagelm.infra.errors import StagelmError, run_main
+from stagelm.infra.memory import param_count, require_memory, training_state_bytes
+from stagelm.interop.checkpoint import read_checkpoint
+from stagelm.model.decoder import Decoder, DecoderConfig, count_params, flops_per_token
+from stagelm.model.modeldir import save_model
+from stagelm.pipeline.config import init_dir, load_section, load_seed, section_dict
+from stagelm.train.checkpoints import stage_fingerprint
+from stagelm.train.loop import record_training, start_training, train
 
 
 def main() -> None:

@@ -6,10 +6,10 @@ python stages/report.py --runs runs --models pretrain,sft --out runs/report.md -
 
 from pathlib import Path
 
-from stagelm.errors import StagelmError, run_main
-from stagelm.files import atomic_write_bytes, read_json
-from stagelm.report import render
-from stagelm.stage import start
+from stagelm.infra.errors import StagelmError, run_main
+from stagelm.infra.files import atomic_write_bytes, read_json
+from stagelm.measure.report import render
+from stagelm.pipeline.stage import start
 
 
 def main() -> None:

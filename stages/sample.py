@@ -11,11 +11,11 @@ import time
 
 import jax
 
-from stagelm.config import load_section, load_seed, section_dict
-from stagelm.errors import run_main
-from stagelm.files import atomic_write_bytes
-from stagelm.generate import Sampling, load_generator
-from stagelm.stage import start
+from stagelm.infer.generate import Sampling, load_generator
+from stagelm.infra.errors import run_main
+from stagelm.infra.files import atomic_write_bytes
+from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.pipeline.stage import start
 
 
 def main() -> None:

@@ -13,15 +13,15 @@ model and `<out>/adapter/` holds the adapter weights alone.
 import jax
 from flax import nnx
 
-from stagelm.checkpoint import stage_fingerprint
-from stagelm.config import load_section, load_seed, section_dict
-from stagelm.errors import StagelmError, run_main
-from stagelm.files import sha256_tree, write_json
-from stagelm.loader import MixedRows, PackedRows
-from stagelm.lora import add_lora, merge_lora, save_adapter
-from stagelm.model import count_params
-from stagelm.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
-from stagelm.trainloop import record_training, start_training, train
+from stagelm.data.loader import MixedRows, PackedRows
+from stagelm.infra.errors import StagelmError, run_main
+from stagelm.infra.files import sha256_tree, write_json
+from stagelm.model.decoder import count_params
+from stagelm.model.lora import add_lora, merge_lora, save_adapter
+from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
+from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.train.checkpoints import stage_fingerprint
+from stagelm.train.loop import record_training, start_training, train
 
 
 def main() -> None:

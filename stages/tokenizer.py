@@ -4,18 +4,18 @@ python stages/tokenizer.py --params params.yaml --raw data/raw --out data/tokeni
 
 With `model.init_from` (hf:<folder> or gguf:<file>) it writes that checkpoint's own
 tokenizer instead, unchanged (rebuilt from a GGUF's metadata), and its chat.json: its chat
-template and the tokens that end a turn (stagelm.chatformat). The tokenizer section is then
+template and the tokens that end a turn (stagelm.data.chatformat). The tokenizer section is then
 unused; the checkpoint's files are hashed through data.inputs, a dependency of this stage.
 """
 
-from stagelm.chatformat import write_chat_spec
-from stagelm.config import init_dir, load_section, load_value, section_dict
-from stagelm.errors import run_main
-from stagelm.files import atomic_write_bytes
-from stagelm.imports import read_checkpoint
-from stagelm.rawdata import iter_column
-from stagelm.stage import beside, start
-from stagelm.tokenizer import CHAT_FILE, TrainingSample, train_tokenizer
+from stagelm.data.chatformat import write_chat_spec
+from stagelm.data.rawdata import iter_column
+from stagelm.data.tokenizer import CHAT_FILE, TrainingSample, train_tokenizer
+from stagelm.infra.errors import run_main
+from stagelm.infra.files import atomic_write_bytes
+from stagelm.interop.checkpoint import read_checkpoint
+from stagelm.pipeline.config import init_dir, load_section, load_value, section_dict
+from stagelm.pipeline.stage import beside, start
 
 
 def main() -> None:

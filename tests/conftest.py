@@ -41,7 +41,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from stagelm.checkpoint import HASHES
+from stagelm.train.checkpoints import HASHES
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"  # as above, for the processes a test starts
@@ -171,7 +171,7 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, 
 
 def kill_after_first_checkpoint(cmd: list[str], cwd: Path, checkpoints: Path) -> None:
     """Start a training stage and SIGKILL it as soon as its first checkpoint is committed
-    (the step folder's hashes written: stagelm.checkpoint)."""
+    (the step folder's hashes written: stagelm.train.checkpoints)."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:

@@ -15,9 +15,9 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from stagelm import cli
-from stagelm.hf import EXPORT_FILES
-from stagelm.model import Decoder, DecoderConfig
-from stagelm.modeldir import save_model
+from stagelm.interop.hf import EXPORT_FILES
+from stagelm.model.decoder import Decoder, DecoderConfig
+from stagelm.model.modeldir import save_model
 
 
 def stagelm(monkeypatch, capsys, *argv: str) -> str:
@@ -412,7 +412,7 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating(
 def test_eval_counts_what_generating_long_answers_allocates(capsys, micro_data, pretrained, tmp_path, monkeypatch):
     """Round four's case on a 4 GiB machine: 50 answers at a time of up to 100,000 tokens. The KV
     cache alone (2.4 GiB) fits; the decode loop's prefill and the answers' text do not."""
-    from stagelm import memory
+    from stagelm.infra import memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 4 << 30)
     monkeypatch.chdir(tmp_path)

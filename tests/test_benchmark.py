@@ -6,7 +6,7 @@ import sys
 import pytest
 from conftest import ROOT, micro_params, run, run_in_process, write_params
 
-from stagelm.benchmark import summary, timed
+from stagelm.measure.benchmark import summary, timed
 
 KEYS = [
     ("train", "tokens_per_sec"),

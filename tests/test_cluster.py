@@ -16,8 +16,8 @@ import slurm
 from conftest import BIN, ROOT, env_with_venv, free_port, make_project, micro_params, run, tree_bytes, write_params
 from test_distributed import assert_trained_alike
 
-from stagelm.checkpoint import HASHES
-from stagelm.files import read_json
+from stagelm.infra.files import read_json
+from stagelm.train.checkpoints import HASHES
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ import sys
 import pytest
 from conftest import ROOT, micro_params, run, shipped_params, write_params
 
-from stagelm.config import SECTIONS, load_section, load_seed, parse_dataclass
-from stagelm.errors import StagelmError
+from stagelm.infra.errors import StagelmError
+from stagelm.pipeline.config import SECTIONS, load_section, load_seed, parse_dataclass
 
 
 def test_every_shipped_section_parses():

@@ -11,8 +11,15 @@ import pytest
 from conftest import ROOT, forward, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
 from flax import nnx
 
-from stagelm.config import load_section
-from stagelm.distill import (
+from stagelm.data.loader import MixedRows, PackedRows, batch_iterator
+from stagelm.data.rawdata import read_raw
+from stagelm.data.tokenizer import chat_prompt_ids, load_tokenizer
+from stagelm.infer.generate import Generator
+from stagelm.infra.files import read_json
+from stagelm.model.decoder import Decoder, DecoderConfig, count_params
+from stagelm.model.modeldir import load_model
+from stagelm.pipeline.config import load_section
+from stagelm.post.distill import (
     SAMPLED,
     STUDENT,
     Distiller,
@@ -24,15 +31,8 @@ from stagelm.distill import (
     student_from_teacher,
     teacher_layers,
 )
-from stagelm.files import read_json
-from stagelm.generate import Generator
-from stagelm.loader import MixedRows, PackedRows, batch_iterator
-from stagelm.model import Decoder, DecoderConfig, count_params
-from stagelm.modeldir import load_model
-from stagelm.rawdata import read_raw
-from stagelm.tokenizer import chat_prompt_ids, load_tokenizer
-from stagelm.trainloop import PackedBatches
-from stagelm.trainstep import init_state, lm_loss, make_optimizer, make_train_step
+from stagelm.train.loop import PackedBatches
+from stagelm.train.step import init_state, lm_loss, make_optimizer, make_train_step
 
 TEACHER = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 STUDENT_CFG = DecoderConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)

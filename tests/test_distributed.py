@@ -22,8 +22,8 @@ from conftest import (
 )
 from test_pretrain_stage import command, history
 
-from stagelm.files import read_json
-from stagelm.modeldir import load_model
+from stagelm.infra.files import read_json
+from stagelm.model.modeldir import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import pytest
 from conftest import BIN, ROOT, run
 from dvc.repo import Repo
 
-from stagelm import paramsdoc
-from stagelm.config import SECTIONS, param
-from stagelm.errors import StagelmError
+from stagelm.infra.errors import StagelmError
+from stagelm.pipeline import paramsdoc
+from stagelm.pipeline.config import SECTIONS, param
 
 README = (ROOT / "README.md").read_text()
 REGENERATE = "stagelm params --markdown > docs/params.md"
@@ -54,7 +54,7 @@ def test_a_key_without_a_meaning_is_refused(tmp_path):
         documented: int = param("has a meaning")
         bare: int
 
-    with pytest.raises(StagelmError, match=r"^demo\.bare: no meaning in stagelm.config"):
+    with pytest.raises(StagelmError, match=r"^demo\.bare: no meaning in stagelm.pipeline.config"):
         paramsdoc.section_keys(Section, "demo", {"documented": 1, "bare": 2})
 
 

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, make_project, micro_params, run, write_params
 
-from stagelm import download
-from stagelm.config import load_section
-from stagelm.errors import StagelmError
-from stagelm.files import read_json
+from stagelm.data import download
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import read_json
+from stagelm.pipeline.config import load_section
 
 
 def data_cfg(**overrides):

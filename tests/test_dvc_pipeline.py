@@ -12,10 +12,10 @@ import yaml
 from browser import CHROMIUM, NEEDS, Browser
 from conftest import env_with_venv, micro_params, run, write_params
 
-from stagelm.checkpoint import HASHES
-from stagelm.files import read_json
-from stagelm.generate import load_generator
-from stagelm.loader import PackedRows
+from stagelm.data.loader import PackedRows
+from stagelm.infer.generate import load_generator
+from stagelm.infra.files import read_json
+from stagelm.train.checkpoints import HASHES
 
 MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo")  # as dvc.yaml's `models` var lists them
 EXPORTED = ("pretrain", "sft", "distill", "grpo")  # the control is measured, not shipped

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stagelm.errors import StagelmError
-from stagelm.evaluation import answer_tasks, pass_at_k, pass_k_metrics
-from stagelm.files import sha256_file
-from stagelm.generate import Generator, Sampling, sample_tokens
-from stagelm.model import Decoder, DecoderConfig
-from stagelm.rawdata import read_raw
-from stagelm.tokenizer import load_tokenizer
+from stagelm.data.rawdata import read_raw
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.infer.generate import Generator, Sampling, sample_tokens
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import sha256_file
+from stagelm.measure.evaluation import answer_tasks, pass_at_k, pass_k_metrics
+from stagelm.model.decoder import Decoder, DecoderConfig
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_sampling_filters():
 
 
 def test_model_directory_errors(tmp_path):
-    from stagelm.generate import load_generator
+    from stagelm.infer.generate import load_generator
 
     with pytest.raises(StagelmError, match="config.json: missing"):
         load_generator(tmp_path)

@@ -11,10 +11,16 @@ import pytest
 from conftest import ROOT, built_once, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
 from flax import nnx
 
-from stagelm.config import load_section
-from stagelm.files import read_json
-from stagelm.generate import Generator, Sampling
-from stagelm.grpo import (
+from stagelm.data.loader import PackedRows
+from stagelm.data.tokenizer import chat_segments, load_tokenizer
+from stagelm.infer.generate import Generator, Sampling
+from stagelm.infra.files import read_json
+from stagelm.infra.mesh import make_mesh
+from stagelm.model.decoder import Decoder, DecoderConfig, count_params
+from stagelm.model.lora import NORMS
+from stagelm.model.modeldir import load_model, read_model_context
+from stagelm.pipeline.config import load_section
+from stagelm.post.grpo import (
     Group,
     Rollouts,
     graded_length,
@@ -25,16 +31,10 @@ from stagelm.grpo import (
     sample_weights,
     token_logprobs,
 )
-from stagelm.loader import PackedRows
-from stagelm.lora import NORMS
-from stagelm.model import Decoder, DecoderConfig, count_params
-from stagelm.modeldir import load_model, read_model_context
-from stagelm.sharding import make_mesh
 from stagelm.tasks import step_credit
 from stagelm.tasks.arithmetic import arithmetic_task, working
-from stagelm.tokenizer import chat_segments, load_tokenizer
-from stagelm.trainloop import train
-from stagelm.trainstep import init_state, lm_loss, make_optimizer, make_train_step, next_token_targets
+from stagelm.train.loop import train
+from stagelm.train.step import init_state, lm_loss, make_optimizer, make_train_step, next_token_targets
 
 CFG = DecoderConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
 

@@ -11,14 +11,14 @@ import pytest
 from conftest import ROOT, forward, micro_params, run, write_params
 from flax import nnx
 
-from stagelm.errors import StagelmError
-from stagelm.generate import Generator, load_generator
-from stagelm.hf import CHAT_TEMPLATE, export_hf, import_hf
-from stagelm.loader import PackedRows
-from stagelm.model import Decoder, DecoderConfig
-from stagelm.modeldir import load_model, read_model_context, save_model
-from stagelm.rawdata import read_raw
-from stagelm.tokenizer import chat_prompt_ids, load_tokenizer
+from stagelm.data.loader import PackedRows
+from stagelm.data.rawdata import read_raw
+from stagelm.data.tokenizer import chat_prompt_ids, load_tokenizer
+from stagelm.infer.generate import Generator, load_generator
+from stagelm.infra.errors import StagelmError
+from stagelm.interop.hf import CHAT_TEMPLATE, export_hf, import_hf
+from stagelm.model.decoder import Decoder, DecoderConfig
+from stagelm.model.modeldir import load_model, read_model_context, save_model
 
 torch = pytest.importorskip("torch", reason="torch is a test-only interop dependency (pip install -e '.[interop]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only interop dependency")
@@ -131,7 +131,7 @@ def save_foreign_llama(micro_data, path, template: str | None = FOREIGN_TEMPLATE
     with a chat template of its own (or none: a base model)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from stagelm.rawdata import read_raw
+    from stagelm.data.rawdata import read_raw
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -291,7 +291,7 @@ def test_gguf_export_reads_back_in_transformers_and_gguf(micro_data, tmp_path, t
     logits are far off: the permutation is what the parity rests on."""
     import gguf
 
-    from stagelm.gguf_file import export_gguf, import_gguf
+    from stagelm.interop.gguf_file import export_gguf, import_gguf
 
     model_dir, model = stagelm_model(micro_data, tmp_path, tie)
     export_gguf(model_dir, tmp_path / "m.gguf")
@@ -321,7 +321,7 @@ def test_gguf_export_reads_back_in_transformers_and_gguf(micro_data, tmp_path, t
     gen = Generator(model, load_tokenizer(model_dir / "tokenizer.json"), 64)
     assert gen.generate([ids], 12, until_stop=False)[0].tokens == hf_out[0, len(ids) :].tolist()
 
-    from stagelm import gguf_file
+    from stagelm.interop import gguf_file
 
     monkeypatch.setattr(gguf_file, "permute", lambda w, heads: w)  # llama.cpp's layout forgotten
     export_gguf(model_dir, tmp_path / "unpermuted.gguf")
@@ -334,7 +334,7 @@ def test_chat_templates_render_the_ids_transformers_renders(micro_data, tmp_path
     """stagelm's format (its export's template) and a checkpoint's own template, through
     `ChatFormat`, give the ids of transformers' `apply_chat_template`; a message that spells a
     special token stays text; the SFT mask covers each assistant turn through its end-of-turn."""
-    from stagelm.chatformat import ChatFormat, load_chat_format
+    from stagelm.data.chatformat import ChatFormat, load_chat_format
 
     conversations = [
         [{"role": "user", "content": "What is 2 plus 3?"}],

@@ -1,11 +1,11 @@
-"""Huge pages for malloc: when an entry point restarts itself, and what it buys (stagelm.hugepages)."""
+"""Huge pages for malloc: when an entry point restarts itself, and what it buys (stagelm.infra.hugepages)."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
-from stagelm.hugepages import THP_MODE, TUNABLE, glibc_version, huge_pages_help
+from stagelm.infra.hugepages import THP_MODE, TUNABLE, glibc_version, huge_pages_help
 
 
 def this_machine_helps() -> bool:

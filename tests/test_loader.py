@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from stagelm.errors import StagelmError
-from stagelm.files import read_json, write_json
-from stagelm.loader import PackedRows, batch_iterator
+from stagelm.data.loader import PackedRows, batch_iterator
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import read_json, write_json
 
 
 def take(it, n):

@@ -7,8 +7,8 @@ import pytest
 from conftest import forward
 from flax import nnx
 
-from stagelm.config import PROJECTIONS
-from stagelm.model import Decoder, DecoderConfig, Projection, count_params, flops_per_token, rope, rotary
+from stagelm.model.decoder import Decoder, DecoderConfig, Projection, count_params, flops_per_token, rope, rotary
+from stagelm.pipeline.config import PROJECTIONS
 
 CFG = DecoderConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 
@@ -92,7 +92,7 @@ def test_bfloat16_compute_stays_close_to_float32():
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
 def test_attention_equals_jax_reference(heads, kv_heads):
-    from stagelm.model import attention, segment_causal_mask
+    from stagelm.model.decoder import attention, segment_causal_mask
 
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, 10, heads, 8))
@@ -113,7 +113,7 @@ def test_attention_equals_jax_reference(heads, kv_heads):
 def test_causal_attention_equals_jax_reference_with_its_gradients(heads, kv_heads, t):
     # The training path: the row-causal mask, half the score blocks skipped, the backward
     # pass written by hand. Packed documents and trailing padding; every input's gradient.
-    from stagelm.model import attention, row_causal_mask
+    from stagelm.model.decoder import attention, row_causal_mask
 
     keys = jax.random.split(jax.random.key(1), 4)
     q = jax.random.normal(keys[0], (2, t, heads, 8))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, micro_params, run, run_in_process, tree_bytes, write_params
 
-from stagelm import files
+from stagelm.infra import files
 
 ROOT_ONLY = "mounts a tmpfs: needs root (CI runs as root)"
 

@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 from conftest import micro_params, run_data_stages, tree_bytes, write_params
 
-from stagelm.chatformat import ChatFormat
-from stagelm.files import read_json
-from stagelm.loader import PackedRows
-from stagelm.pack import (
+from stagelm.data.chatformat import ChatFormat
+from stagelm.data.loader import PackedRows
+from stagelm.data.pack import (
     CorpusPacker,
     ShardWriter,
     Spilled,
@@ -20,8 +19,9 @@ from stagelm.pack import (
     write_spilled,
     write_split,
 )
-from stagelm.rawdata import iter_column, read_raw
-from stagelm.tokenizer import EOS, encode_batch, encode_joined, load_tokenizer, special_id
+from stagelm.data.rawdata import iter_column, read_raw
+from stagelm.data.tokenizer import EOS, encode_batch, encode_joined, load_tokenizer, special_id
+from stagelm.infra.files import read_json
 
 EOS_ID = 2  # <|eos|> in a tokenizer the tokenizer stage trains
 

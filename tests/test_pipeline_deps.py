@@ -7,8 +7,8 @@ import pytest
 import yaml
 from conftest import ROOT, run
 
-from stagelm.config import EXECUTION_KEYS, section_keys
-from stagelm.deps import EXECUTION_SECTIONS, code_deps, params_deps, render
+from stagelm.pipeline.config import EXECUTION_KEYS, section_keys
+from stagelm.pipeline.deps import EXECUTION_SECTIONS, code_deps, params_deps, render
 
 PIPELINE = yaml.safe_load((ROOT / "dvc.yaml").read_text())
 VARS = {k: v for entry in PIPELINE["vars"] for k, v in entry.items()}
@@ -59,7 +59,7 @@ def test_params_are_exactly_what_the_stage_reads(name):
 def test_deps_cli_prints_the_lists_this_test_checks(capsys):
     out = run(["stagelm", "deps", "stages/pretrain.py"], ROOT).stdout
     assert out == render(ROOT / "stages/pretrain.py", ROOT)
-    assert "  - src/stagelm/trainloop.py\n" in out and "  - training.lr\n" in out and "training.log_every" not in out
+    assert "  - src/stagelm/train/loop.py\n" in out and "  - training.lr\n" in out and "training.log_every" not in out
     bad = run(["stagelm", "deps", "stages/nothing.py"], ROOT, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: stages/nothing.py: no such stage script")
 

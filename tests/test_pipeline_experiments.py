@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from conftest import env_with_venv, micro_params, run
 
-from stagelm.files import read_json
+from stagelm.infra.files import read_json
 
 MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo")  # as dvc.yaml's `models` var lists them
 EXPORTED = ("pretrain", "sft", "distill", "grpo")  # the control is measured, not shipped

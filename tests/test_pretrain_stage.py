@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
 
-from stagelm.checkpoint import HASHES
-from stagelm.files import read_json
-from stagelm.modeldir import load_model
+from stagelm.infra.files import read_json
+from stagelm.model.modeldir import load_model
+from stagelm.train.checkpoints import HASHES
 
 pytestmark = pytest.mark.slow
 

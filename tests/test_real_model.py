@@ -20,14 +20,14 @@ import pytest
 from conftest import ROOT, env_with_venv, forward, micro_params, run, write_params
 from flax import nnx
 
-from stagelm.chatformat import load_chat_format
-from stagelm.generate import load_generator
-from stagelm.hf import import_config, import_hf
-from stagelm.loader import PackedRows
-from stagelm.modeldir import load_model
-from stagelm.rawdata import read_raw
-from stagelm.tokenizer import load_tokenizer
-from stagelm.trainstep import lm_loss
+from stagelm.data.chatformat import load_chat_format
+from stagelm.data.loader import PackedRows
+from stagelm.data.rawdata import read_raw
+from stagelm.data.tokenizer import load_tokenizer
+from stagelm.infer.generate import load_generator
+from stagelm.interop.hf import import_config, import_hf
+from stagelm.model.modeldir import load_model
+from stagelm.train.step import lm_loss
 
 REQUIRED = "STAGELM_REQUIRE_REAL_MODEL"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,8 +16,8 @@ from conftest import env_with_venv, free_port, run
 from flax import nnx
 from tokenizers import Tokenizer
 
-from stagelm.model import Decoder, DecoderConfig
-from stagelm.modeldir import save_model
+from stagelm.model.decoder import Decoder, DecoderConfig
+from stagelm.model.modeldir import save_model
 
 WHY = "the serve tests need the serve extra and the openai client: pip install -e '.[serve,serve-test]' (.ci/run does)"
 openai = pytest.importorskip("openai", reason=WHY)
@@ -384,7 +384,7 @@ def test_only_loopback_names_and_json_posts_reach_the_model(trained):
 
 
 def test_the_page_cannot_be_broken_out_of_by_a_name():
-    from stagelm.serve import inline_json
+    from stagelm.infer.serve import inline_json
 
     name = "</script><script>alert(1)</script>&"
     text = inline_json(name)

@@ -8,14 +8,14 @@ import pytest
 from conftest import ROOT, forward, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
 from flax import nnx
 
-from stagelm.config import LoraConfig, load_section
-from stagelm.errors import StagelmError
-from stagelm.files import read_json
-from stagelm.loader import MixedRows, PackedRows, batch_iterator
-from stagelm.lora import add_lora, merge_lora
-from stagelm.model import Decoder, DecoderConfig
-from stagelm.modeldir import load_model
-from stagelm.trainstep import init_state, make_optimizer, make_train_step
+from stagelm.data.loader import MixedRows, PackedRows, batch_iterator
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import read_json
+from stagelm.model.decoder import Decoder, DecoderConfig
+from stagelm.model.lora import add_lora, merge_lora
+from stagelm.model.modeldir import load_model
+from stagelm.pipeline.config import LoraConfig, load_section
+from stagelm.train.step import init_state, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.0, targets=("q", "kv", "o", "gate_up", "down"))
@@ -179,7 +179,7 @@ def test_sft_stage_with_replay_reads_the_corpus_and_refuses_more_than_it_holds(m
 
 @pytest.mark.slow
 def test_sft_refuses_a_model_with_another_vocab(micro_data, tmp_path):
-    from stagelm.modeldir import save_model
+    from stagelm.model.modeldir import save_model
 
     other = Decoder(
         DecoderConfig(vocab_size=123, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32), nnx.Rngs(0)

@@ -8,14 +8,14 @@ import pytest
 from conftest import micro_params
 from flax import nnx
 
-from stagelm.checkpoint import Checkpoints
-from stagelm.config import load_section
-from stagelm.errors import StagelmError
-from stagelm.loader import PackedRows, batch_iterator
-from stagelm.model import Decoder, DecoderConfig
-from stagelm.sharding import make_mesh, replicated
-from stagelm.trainloop import global_batch, shard_state, state_shardings
-from stagelm.trainstep import init_state, make_optimizer, make_train_step
+from stagelm.data.loader import PackedRows, batch_iterator
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.mesh import make_mesh, replicated
+from stagelm.model.decoder import Decoder, DecoderConfig
+from stagelm.pipeline.config import load_section
+from stagelm.train.checkpoints import Checkpoints
+from stagelm.train.loop import global_batch, shard_state, state_shardings
+from stagelm.train.step import init_state, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 

@@ -4,7 +4,7 @@ import hashlib
 import json
 import random
 
-from stagelm import synthetic
+from stagelm.data import synthetic
 from stagelm.tasks import FAMILIES, REGISTRY, Family, Task, check_answer, first_sentence, select
 from stagelm.tasks.arithmetic import arithmetic_task
 from stagelm.tasks.family import IndexedSpace, split_sampled

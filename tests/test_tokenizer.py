@@ -2,9 +2,8 @@
 
 import pytest
 
-from stagelm import synthetic
-from stagelm.errors import StagelmError
-from stagelm.tokenizer import (
+from stagelm.data import synthetic
+from stagelm.data.tokenizer import (
     ASSISTANT,
     END,
     SPECIAL_TOKENS,
@@ -17,6 +16,7 @@ from stagelm.tokenizer import (
     pieces,
     train_tokenizer,
 )
+from stagelm.infra.errors import StagelmError
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ stagelm launch <stage command>
     `launch` is an execution setting: no stage lists it, so it reruns nothing.
 stagelm serve <model dir> [--host 127.0.0.1] [--port 8000]
     an OpenAI-compatible server (chat and text completions, streamed or not) with a
-    chat page at /, on the KV-cache engine (see stagelm.serve).
+    chat page at /, on the KV-cache engine (see stagelm.infer.serve).
 stagelm params [--markdown] [--params params.yaml]
     every key of params.yaml with its default and meaning; --markdown prints the
-    reference page docs/params.md is (stagelm.paramsdoc).
+    reference page docs/params.md is (stagelm.pipeline.paramsdoc).
 stagelm deps stages/<stage>.py [-- flags]
     print the code deps and params of that stage as dvc.yaml should list them (the
     pipeline test checks dvc.yaml against the same computation); flags such as
@@ -28,9 +28,9 @@ import shlex
 import shutil
 from pathlib import Path
 
-from stagelm.config import SECTIONS, load_section, read_params, read_yaml, require_inputs, validate_params
-from stagelm.errors import StagelmError, run_main
-from stagelm.files import read_json_object, sha256_file
+from stagelm.infra.errors import StagelmError, run_main
+from stagelm.infra.files import read_json_object, sha256_file
+from stagelm.pipeline.config import SECTIONS, load_section, read_params, read_yaml, require_inputs, validate_params
 
 
 def pipeline_vars(pipeline: Path) -> dict[str, str]:
@@ -125,7 +125,7 @@ def print_estimates(sections: dict) -> None:
     cap), against what this machine has: a warning line for each that does not fit."""
     from types import SimpleNamespace
 
-    from stagelm.memory import (
+    from stagelm.infra.memory import (
         HEADROOM,
         benchmark_bytes,
         generation_bytes,
@@ -155,7 +155,7 @@ def print_estimates(sections: dict) -> None:
     }
     data = sections["data"]
     if data.source == "synthetic":
-        from stagelm.download import synthetic_corpus_bytes
+        from stagelm.data.download import synthetic_corpus_bytes
 
         memory, disk = synthetic_corpus_bytes(data)
         estimates["download (the synthetic corpus, generated in memory)"] = memory
@@ -190,7 +190,7 @@ def generate(args: argparse.Namespace) -> None:
 
     import jax
 
-    from stagelm.generate import Sampling, load_generator
+    from stagelm.infer.generate import Sampling, load_generator
 
     if args.max_new_tokens < 1:
         raise StagelmError(f"--max-new-tokens: expected a positive int, got {args.max_new_tokens}")
@@ -217,26 +217,26 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def lineage(args: argparse.Namespace) -> None:
-    from stagelm.lineage import chain, format_chain
+    from stagelm.pipeline.lineage import chain, format_chain
 
     print(format_chain(chain(Path(args.lock), args.artifact)))
 
 
 def inspect(args: argparse.Namespace) -> None:
-    from stagelm.lineage import inspect_run
+    from stagelm.pipeline.lineage import inspect_run
 
     root = Path(pipeline_vars(Path(args.pipeline)).get("checkpoints_dir", "runs/.checkpoints"))
     print(inspect_run(Path(args.run_dir), root))
 
 
 def params(args: argparse.Namespace) -> None:
-    from stagelm import paramsdoc
+    from stagelm.pipeline import paramsdoc
 
     print((paramsdoc.markdown if args.markdown else paramsdoc.plain)(args.params), end="")
 
 
 def deps(args: argparse.Namespace) -> None:
-    from stagelm.deps import render
+    from stagelm.pipeline.deps import render
 
     script = Path(args.script)
     if not script.is_file() or script.suffix != ".py":
@@ -275,7 +275,7 @@ def refuse_dvc_output(target: Path, command: str) -> None:
 
 
 def export_hf(args: argparse.Namespace) -> None:
-    from stagelm.hf import export_hf
+    from stagelm.interop.hf import export_hf
 
     refuse_dvc_output(args.out_dir, "export-hf")  # the export@ stages write there through the library
     out = export_hf(args.model_dir, args.out_dir)  # refuses its source, a file, or a folder of other files
@@ -283,7 +283,7 @@ def export_hf(args: argparse.Namespace) -> None:
 
 
 def export_gguf(args: argparse.Namespace) -> None:
-    from stagelm.gguf_file import export_gguf
+    from stagelm.interop.gguf_file import export_gguf
 
     if args.out_file.is_dir():
         raise StagelmError(f"{args.out_file}: a folder; give export-gguf the path of the .gguf file to write")
@@ -295,8 +295,8 @@ def export_gguf(args: argparse.Namespace) -> None:
 def check_import_target(out_dir: Path) -> None:
     """Refuse a target that is a file, a DVC output, or a folder holding anything but a
     previous import (a stagelm model directory's files), which the import replaces."""
-    from stagelm.modeldir import PARAMS_FILE
-    from stagelm.tokenizer import CHAT_FILE
+    from stagelm.data.tokenizer import CHAT_FILE
+    from stagelm.model.modeldir import PARAMS_FILE
 
     if out_dir.exists() and not out_dir.is_dir():
         raise StagelmError(f"{out_dir}: a file, not a folder; give import-hf a new or empty folder to write")
@@ -315,9 +315,9 @@ def check_import_target(out_dir: Path) -> None:
 
 
 def import_checkpoint(args: argparse.Namespace) -> None:
-    from stagelm.imports import read_checkpoint
-    from stagelm.model import count_params
-    from stagelm.modeldir import save_model
+    from stagelm.interop.checkpoint import read_checkpoint
+    from stagelm.model.decoder import count_params
+    from stagelm.model.modeldir import save_model
 
     check_import_target(args.out_dir)
     found = read_checkpoint(args.source)
@@ -329,7 +329,7 @@ def import_checkpoint(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from stagelm.serve import serve
+    from stagelm.infer.serve import serve
 
     if args.slots < 1 or args.queue < 0:
         raise StagelmError("--slots: expected at least 1 (and --queue at least 0)")

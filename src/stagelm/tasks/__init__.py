@@ -25,7 +25,7 @@ every family file, and editing one reruns the stages that read it.
 
 from typing import Any
 
-from stagelm.errors import StagelmError
+from stagelm.infra.errors import StagelmError
 from stagelm.tasks import arithmetic, three_digit, uses_word, word_limit
 from stagelm.tasks.family import Family, Task, first_sentence
 

@@ -12,7 +12,7 @@ step is a one-digit fact and the result is read off the two steps, where the pla
 has what each format reached here). Completion format: `Work out 23 plus 58:` → ` 3 plus 8 is 11, …, so 81.`;
 chat: user `What is 23 plus 58?` → the same working. The checker reads the number
 that ends the first sentence, so a bare `81.` passes too. The corpus carries sheets of
-these lines (and the stories of `stagelm.synthetic` tell plain sums from the same
+these lines (and the stories of `stagelm.data.synthetic` tell plain sums from the same
 training pool).
 """
 

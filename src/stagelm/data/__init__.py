@@ -1,0 +1,3 @@
+"""From a corpus to packed rows: download (files, the hub, synthetic), the tokenizer and chat
+format, packing into Arrow shards, and the Grain loader that reads them.
+"""

@@ -1,0 +1,1 @@
+"""Checkpoints from elsewhere and to elsewhere: transformers folders and GGUF files in, both out."""

@@ -1,0 +1,1 @@
+"""What the pipeline measures and reports: eval, the benchmark, the PyTorch peer, the report page."""

@@ -1,0 +1,222 @@
+"""A trained model on disk: `params.safetensors`, `config.json`, `tokenizer.json`.
+
+This directory is what every model stage writes and what downstream stages, the
+eval and `stagelm generate` load. It holds parameters only (no optimizer state),
+the resolved decoder config with its vocab size, and a copy of the tokenizer the
+model was trained with. config.json records the sha256 of the params file and of the
+tokenizer at save time, and a model loads only when both still match: a flipped bit
+or a swapped tokenizer.json (same size, ids permuted) is refused in one line, never used.
+
+The params are one safetensors file, tensors named by their path in the model
+(`blocks/0/attn/q/w`), so the same weights always give the same bytes: DVC sees an
+unchanged model as unchanged and skips what depends on it (Orbax's model format
+carries save times and random file names). Process 0 writes it from arrays gathered
+across processes; every process loads the whole file and places its own shards of
+each array onto the mesh. Training checkpoints (`runs/.checkpoints`) stay Orbax:
+sharded, asynchronous, resumable.
+"""
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tokenizers import Tokenizer
+
+from stagelm.data.tokenizer import CHAT_FILE
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import atomic_write_bytes, copy_file, read_json_object, sha256_file, write_json
+from stagelm.infra.mesh import param_shardings
+from stagelm.model.decoder import Decoder, DecoderConfig
+from stagelm.pipeline.config import NON_NEGATIVE, POSITIVE, ModelConfig, check_value
+
+PARAMS_FILE = "params.safetensors"
+
+
+def tensor_name(path: tuple) -> str:
+    """`blocks/0/attn/q/w` for the key path of a leaf of an nnx.State."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return "/".join(p for p in parts if p != "value")
+
+
+def host_arrays(state: Any) -> dict[str, np.ndarray]:
+    """Every array of `state` on the host, whole (gathered from all processes when sharded across them)."""
+    from jax.experimental import multihost_utils
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        out[tensor_name(path)] = np.asarray(leaf)
+    return out
+
+
+def save_tensors(path: Path, state: Any) -> None:
+    """`state`'s arrays as one safetensors file at `path` (all processes call; process 0 writes).
+    bfloat16, which numpy's safetensors writer lacks, is stored as its uint16 bits and named
+    in the file's metadata."""
+    from safetensors.numpy import save
+
+    arrays = host_arrays(state)
+    if jax.process_index() != 0:
+        return
+    bf16 = sorted(n for n, a in arrays.items() if a.dtype == jnp.bfloat16)
+    stored = {n: a.view(np.uint16) if n in bf16 else np.ascontiguousarray(a) for n, a in arrays.items()}
+    atomic_write_bytes(path, save(stored, metadata={"bfloat16": json.dumps(bf16)}))
+
+
+def load_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            bf16 = set(json.loads((f.metadata() or {}).get("bfloat16", "[]")))
+            names = list(f.keys())  # noqa: SIM118 (a safe_open handle is not iterable)
+            return {n: f.get_tensor(n).view(jnp.bfloat16) if n in bf16 else f.get_tensor(n) for n in names}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise StagelmError(f"{path}: not a readable safetensors file ({err}); rerun the stage that wrote it") from None
+
+
+def save_model(
+    out_dir: str | Path,
+    model: Decoder,
+    tokenizer: str | Path | Tokenizer,
+    extra: dict[str, Any] | None = None,
+    chat: dict[str, Any] | None = None,
+) -> None:
+    """Write params, config.json, the tokenizer (a tokenizer.json file, or a Tokenizer) and its chat
+    format into `out_dir` (every process takes part). The chat format is `chat` (chat.json's
+    contents), else the chat.json beside a tokenizer file (so a model derived from an imported one
+    keeps its template); none for stagelm's own. config.json, written last, holds the hashes
+    `load_model` checks."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_tensors(out_dir / PARAMS_FILE, nnx.state(model, nnx.Param))
+    if jax.process_index() != 0:
+        return
+    if isinstance(tokenizer, Tokenizer):
+        atomic_write_bytes(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True).encode())
+    else:
+        copy_file(tokenizer, out_dir / "tokenizer.json")
+        beside = Path(tokenizer).parent / CHAT_FILE
+        if chat is None and beside.is_file() and beside.resolve() != (out_dir / CHAT_FILE).resolve():
+            copy_file(beside, out_dir / CHAT_FILE)
+    if chat is not None:
+        write_json(out_dir / CHAT_FILE, chat)
+    tokenizer_sha = sha256_file(out_dir / "tokenizer.json")
+    hashes = {"params_sha256": sha256_file(out_dir / PARAMS_FILE), "tokenizer_sha256": tokenizer_sha}
+    write_json(out_dir / "config.json", {**model.cfg.__dict__, **hashes, **(extra or {})})
+
+
+# config.json's fields are checked by params.yaml's rules for the same keys (`ModelConfig`'s: so
+# `rope_theta: -1` is refused here as in params.yaml), and these for the fields it lacks.
+FIELD_CHECKS = {
+    **{f.name: f.metadata.get("check") for f in dataclasses.fields(ModelConfig) if f.metadata.get("check")},
+    "vocab_size": POSITIVE,
+    "lora_rank": NON_NEGATIVE,
+    "lora_alpha": NON_NEGATIVE,
+    "lora_dropout": (lambda v: 0 <= v < 1, "a {type} in [0, 1)"),
+}
+
+
+def model_config_json(model_dir: str | Path) -> dict[str, Any]:
+    if Path(model_dir).exists() and not Path(model_dir).is_dir():
+        raise StagelmError(f"{model_dir}: a file, not a model folder; give the folder (e.g. runs/sft/model)")
+    return read_json_object(
+        Path(model_dir) / "config.json", f"{model_dir} is not a stagelm model directory (rerun the stage that wrote it)"
+    )
+
+
+def read_model_config(model_dir: str | Path) -> DecoderConfig:
+    """The DecoderConfig of config.json, every field type- and range-checked (one line naming the field)."""
+    path = Path(model_dir) / "config.json"
+    raw = model_config_json(model_dir)
+    hints = typing.get_type_hints(DecoderConfig)
+    values = {}
+    for field in dataclasses.fields(DecoderConfig):
+        if field.name not in raw:
+            if field.default is dataclasses.MISSING:
+                raise StagelmError(f"{path}: {field.name} missing; not a stagelm model config (rerun its stage)")
+            continue
+        hint = list[str] if field.name == "lora_targets" else hints[field.name]
+        check = FIELD_CHECKS.get(field.name)
+        values[field.name] = check_value(raw[field.name], hint, f"{path}: {field.name}", check)
+    cfg = DecoderConfig(**values)
+    try:
+        cfg.validate("model")
+    except StagelmError as err:
+        raise StagelmError(f"{path}: {err}") from None
+    return cfg
+
+
+def read_model_context(model_dir: str | Path) -> int:
+    """The context length the model was trained with (the KV cache size generation uses by default)."""
+    path = Path(model_dir) / "config.json"
+    return check_value(model_config_json(model_dir).get("context_len"), int, f"{path}: context_len", POSITIVE)
+
+
+def verify_model_files(model_dir: Path) -> None:
+    """Refuse a model whose params or tokenizer differ from the sha256 config.json recorded at save time."""
+    raw = model_config_json(model_dir)
+    for name, key in ((PARAMS_FILE, "params_sha256"), ("tokenizer.json", "tokenizer_sha256")):
+        path = model_dir / name
+        if not path.is_file():
+            raise StagelmError(
+                f"{path}: missing; restore it with `dvc checkout --force {model_dir}` or rerun its stage"
+            )
+        if not isinstance(raw.get(key), str):
+            raise StagelmError(
+                f"{model_dir / 'config.json'}: no {key}, so {name} cannot be verified; rerun the stage that wrote it"
+            )
+        if sha256_file(path) != raw[key]:
+            # Not `dvc checkout --force`: with a link cache it restores the same damaged bytes.
+            stage = f"`dvc repro -f {model_dir.parent.name}`" if model_dir.name == "model" else "its stage"
+            raise StagelmError(
+                f"{path}: sha256 differs from config.json's {key} (changed or damaged since it was saved); "
+                f"rebuild it with {stage}"
+            )
+
+
+def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> Decoder:
+    """The Decoder saved in `model_dir`, its params sharded over `mesh` by their logical axes when given."""
+    model_dir = Path(model_dir).resolve()
+    cfg = read_model_config(model_dir)
+    verify_model_files(model_dir)
+    params_file = model_dir / PARAMS_FILE
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    tensors = load_tensors(params_file)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    # Without a mesh: uncommitted arrays on this process's default device, which a later
+    # device_put may place on any mesh, across processes too (a committed array may not).
+    shardings = jax.tree.leaves(param_shardings(state, mesh)) if mesh is not None else [None] * len(leaves)
+    names = [tensor_name(path) for path, _ in leaves]
+    if sorted(names) != sorted(tensors):
+        missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+        raise StagelmError(
+            f"{params_file}: does not match config.json (missing {missing[:3]}, unexpected {extra[:3]}); "
+            "rerun its stage"
+        )
+    arrays = []
+    for name, (_, want), sharding in zip(names, leaves, shardings, strict=True):
+        have = tensors[name]
+        if have.shape != want.shape or have.dtype != want.dtype:
+            raise StagelmError(
+                f"{params_file}: {name} is {have.dtype}{list(have.shape)}, config.json says "
+                f"{want.dtype}{list(want.shape)}; rerun its stage"
+            )
+        if sharding is None:
+            arrays.append(jnp.asarray(have))
+        else:
+            arrays.append(jax.make_array_from_callback(have.shape, sharding, lambda index, a=have: a[index]))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, arrays), rest)

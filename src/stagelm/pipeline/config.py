@@ -1,0 +1,722 @@
+"""Typed, frozen views of params.yaml: one dataclass per section.
+
+Every section of params.yaml maps to a dataclass below. `load_section` checks a raw
+mapping against it and fails on the first unknown key, missing key or wrong value
+with one line naming the dotted key and what was expected, e.g.
+
+    pack.seq_len: expected a positive int, got 'long'
+
+Constraints live next to each field (`metadata={"check": ...}`), so the rules a key
+obeys are read in one place; rules across keys live in the section's `validate(prefix)`,
+which names the keys as the user wrote them. Sections that share keys share a base
+(`ModelShape`, `OptimizerConfig`), so each rule is written once. Stages load only the
+sections they read.
+"""
+
+import dataclasses
+import difflib
+import glob
+import itertools
+import math
+import os
+import shlex
+import types
+import typing
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
+
+from stagelm.infra.errors import StagelmError
+
+# --- value checks: (predicate, the words used in the error) -------------------------
+
+# The text is what the error says was expected; {type} is filled with the field's type.
+POSITIVE = (lambda v: v > 0, "a positive {type}")
+NON_NEGATIVE = (lambda v: v >= 0, "a non-negative {type}")
+FRACTION = (lambda v: 0 < v < 1, "a {type} in (0, 1)")
+UNIT = (lambda v: 0 <= v <= 1, "a {type} in [0, 1]")
+MESH_AXIS = (lambda v: v == -1 or v >= 1, "-1 (infer) or a positive {type}")
+SEED = (lambda v: 0 <= v < 2**32, "an {type} in [0, 2**32)")  # what jax.random.key and numpy's generators take
+
+
+def one_of(*choices: str) -> tuple:
+    return (lambda v: v in choices, f"one of {', '.join(map(repr, choices))}")
+
+
+def param(doc: str, check: tuple | None = None) -> Any:
+    """A params.yaml key: its one-line meaning, the one home of it (docs/params.md is
+    written from it by `stagelm params --markdown`), and the check its value must pass."""
+    return dataclasses.field(metadata={"doc": doc, "check": check})
+
+
+# The top-level `seed`, the one key no section holds.
+SEED_DOC = "training initialisation and sampling; the data has its own data.seed"
+
+
+# --- sections ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The download stage's corpus and task sets: where they come from and how they split."""
+
+    source: str = param(
+        "the corpus: synthetic, files:<path, folder or glob under data.inputs>, or hf:<dataset id or local dir>"
+    )
+    seed: int = param("the data's own seed: synthetic generator, train/val split, tokenizer sample", SEED)
+    val_fraction: float = param("share of documents held out for validation", FRACTION)
+    num_documents: int = param("synthetic corpus size, in documents", POSITIVE)
+    text_field: str = param("the text column of jsonl, parquet and csv files and of hf datasets")
+    hf_revision: str | None = param(
+        "a hub dataset's commit, tag or branch (required for a hub id; null for a local dir)"
+    )
+    hf_split: str = param("the split of an hf dataset to read")
+    max_documents: int | None = param("cap on documents read from files or hf; null = all", POSITIVE)
+    sft_files: str | None = param("jsonl of chats (`messages`) under data.inputs; null = the synthetic task families")
+    rl_files: str | None = param("jsonl of RL prompts (`family`, `prompt`, `spec`) under data.inputs; null = synthetic")
+    eval_files: str | None = param(
+        "jsonl of eval prompts (`family`, `prompt`, `chat_prompt`, `spec`); null = synthetic"
+    )
+    num_sft: int = param("synthetic SFT conversations", POSITIVE)
+    num_rl: int = param("synthetic RL prompts", POSITIVE)
+    num_eval: int = param("synthetic held-out prompts per task family", POSITIVE)
+    # Names are checked against the registry (stagelm.tasks) by the download stage and `stagelm check`.
+    families: list[str] = param("synthetic task families (stagelm.tasks) of the corpus and the SFT, RL and eval sets")
+    # dvc.yaml lists it as the download stage's dependency, so an edited corpus reruns download and what follows.
+    inputs: str = param(
+        "the folder holding every local file the download reads (files:, a local hf:, *_files); DVC hashes it",
+        (lambda v: bool(v.strip()), "a folder path"),
+    )
+
+    def local_inputs(self) -> list[tuple[str, str]]:
+        """(key, path or glob) of every local file or folder the download stage reads."""
+        scheme, _, arg = self.source.partition(":")
+        found = [("data.source", arg)] if scheme == "files" or (scheme == "hf" and self.hf_revision is None) else []
+        named = (
+            ("data.sft_files", self.sft_files),
+            ("data.rl_files", self.rl_files),
+            ("data.eval_files", self.eval_files),
+        )
+        return found + [(key, value) for key, value in named if value]
+
+    def validate(self, prefix: str) -> None:
+        if not self.families:
+            raise StagelmError(f"{prefix}.families: empty list; name the synthetic task families to generate")
+        for key, pattern in self.local_inputs():
+            if pattern and not inside(pattern, self.inputs):
+                raise StagelmError(
+                    f"{key}: {pattern!r} lies outside {prefix}.inputs {self.inputs!r}, the folder DVC hashes for the "
+                    f"download stage; move the files into it or set {prefix}.inputs to a folder holding them"
+                )
+
+
+def require_inputs(cfg: DataConfig, project: Path | None = None) -> None:
+    """Fail, naming the key, unless `data.inputs` (a dependency of the download stage) is a
+    folder inside the project (`project`, default the working directory, where dvc runs) and
+    not the project itself: DVC cannot hash the folder that holds its own .dvc/ and outputs."""
+    root = (project or Path.cwd()).resolve()
+    folder = Path(cfg.inputs).expanduser()
+    where = (root / folder).resolve()
+    if where == root or not where.is_relative_to(root):
+        place = "the project itself" if where == root else f"outside the project {root}"
+        raise StagelmError(
+            f"data.inputs: {cfg.inputs!r} is {place}; give a folder inside it that holds only your corpus "
+            "and task files (the repository ships inputs/)"
+        )
+    if not where.is_dir():
+        raise StagelmError(
+            f"data.inputs: {cfg.inputs!r} is not a folder; create it (the repository ships inputs/) "
+            "or point data.inputs at the folder holding your corpus"
+        )
+
+
+def inside(pattern: str, folder: str) -> bool:
+    """Whether the files a path or glob names lie within `folder` (by their paths, before any glob)."""
+    parts = Path(pattern).parts
+    fixed = Path(*[p for p in itertools.takewhile(lambda p: not glob.has_magic(p), parts)] or ["."])
+    base, root = os.path.abspath(os.path.expanduser(fixed)), os.path.abspath(os.path.expanduser(folder))
+    return base == root or base.startswith(root.rstrip(os.sep) + os.sep)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """The byte-level BPE tokenizer that the tokenizer stage trains on the train split."""
+
+    vocab_size: int = param("vocabulary size: the 256 bytes, the special tokens and the merges BPE learns", POSITIVE)
+    min_frequency: int = param("a pair merges only if it occurs at least this often", POSITIVE)
+    # A cap, so BPE's time and memory do not grow with the corpus.
+    max_train_chars: int = param(
+        "BPE trains on at most this many characters of the train split (a sample seeded by data.seed)", POSITIVE
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    """How the pack stage cuts the tokenized documents into rows of Arrow shards."""
+
+    seq_len: int = param(
+        "model context in tokens; a packed row holds seq_len + 1", (lambda v: v >= 2, "an {type} >= 2")
+    )
+    rows_per_shard: int = param("rows per Arrow shard of data/packed", POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A decoder's sizes: the one home of these keys, shared by `model`, `distill.student`
+    and `benchmark` (model.DecoderConfig adds the vocabulary and the rest at run time)."""
+
+    d_model: int = param("residual width", POSITIVE)
+    n_layers: int = param("decoder blocks", POSITIVE)
+    n_heads: int = param("attention heads; must divide d_model, with an even head size (RoPE)", POSITIVE)
+    n_kv_heads: int = param("key/value heads (grouped-query attention); must divide n_heads", POSITIVE)
+    d_ff: int = param("SwiGLU hidden width", POSITIVE)
+
+    def validate(self, prefix: str) -> None:
+        """Attention shape rules, naming the keys under `prefix` (e.g. distill.student)."""
+        if self.d_model % self.n_heads:
+            raise StagelmError(f"{prefix}.n_heads: {self.n_heads} does not divide {prefix}.d_model {self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            raise StagelmError(
+                f"{prefix}.n_kv_heads: {self.n_kv_heads} does not divide {prefix}.n_heads {self.n_heads}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise StagelmError(f"{prefix}.n_heads: the head size d_model/n_heads must be even for RoPE")
+
+    def shape(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(ModelShape):
+    """The decoder pretrain builds (Llama-style), or the checkpoint it starts from."""
+
+    rope_theta: float = param("RoPE base frequency", POSITIVE)
+    norm_eps: float = param("RMSNorm epsilon", POSITIVE)
+    tie_embeddings: bool = param("share the input embedding with the output projection")
+    dtype: str = param(
+        "compute dtype of activations and matmuls (bfloat16 on accelerators)", one_of("float32", "bfloat16", "float16")
+    )
+    param_dtype: str = param("dtype the parameters are stored and updated in", one_of("float32", "bfloat16"))
+    remat: str = param(
+        "block: recompute each block's activations in the backward pass (less memory, more compute)",
+        one_of("none", "block"),
+    )
+    init_std: float = param("standard deviation of the initial weights", POSITIVE)
+    # A checkpoint brings its architecture and tokenizer; dtype, param_dtype and remat still apply.
+    init_from: str | None = param(
+        "null = from scratch; hf:<folder> (a transformers Llama checkpoint) or gguf:<file> (a llama GGUF) "
+        "under data.inputs, which DVC hashes",
+        (
+            lambda v: (v.startswith("hf:") and len(v) > 3) or (v.startswith("gguf:") and len(v) > 5),
+            "null, hf:<folder> or gguf:<file>",
+        ),
+    )
+
+    def architecture(self) -> dict[str, Any]:
+        """The DecoderConfig fields of this section (everything but init_from)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "init_from"}
+
+
+def init_dir(init_from: str | None) -> Path | None:
+    """The checkpoint of `model.init_from` (a transformers folder or a GGUF file), or None (from scratch)."""
+    if init_from is None:
+        return None
+    scheme, _, rest = init_from.partition(":")
+    path = Path(rest).expanduser()
+    if scheme == "gguf" and not path.is_file():
+        raise StagelmError(f"model.init_from: {path} is not a file; give a llama .gguf file under data.inputs")
+    if scheme == "hf" and not (path / "config.json").is_file():
+        raise StagelmError(f"model.init_from: {path} has no config.json; give a transformers checkpoint folder")
+    return path
+
+
+def require_init_inside_inputs(model: "ModelConfig", data: DataConfig) -> None:
+    """Refuse a `model.init_from` outside `data.inputs`: its files are inputs DVC must hash (the
+    tokenizer and pretrain stages depend on that folder), as a corpus file's are."""
+    if model.init_from is not None:
+        path = model.init_from.partition(":")[2]
+        if not inside(path, data.inputs):
+            raise StagelmError(
+                f"model.init_from: {path!r} lies outside data.inputs {data.inputs!r}, the folder DVC hashes; "
+                "move the checkpoint into it"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW on a warmup and a schedule, the run's length and its evals: the one home of
+    these keys, which `training` (pretrain), `sft`, `distill` and `grpo` each carry in
+    their own section, so DVC reruns only the stage whose key changed."""
+
+    section: ClassVar[str]  # the params section, for the keys an error names
+
+    lr: float = param("AdamW's peak learning rate", POSITIVE)
+    min_lr_ratio: float = param("final learning rate of cosine and wsd, as a fraction of lr", UNIT)
+    schedule: str = param("learning-rate schedule after the warmup", one_of("constant", "cosine", "wsd"))
+    warmup_steps: int = param("linear warmup steps; must be below steps", NON_NEGATIVE)
+    decay_fraction: float = param("wsd only: share of the steps spent decaying", UNIT)
+    weight_decay: float = param("AdamW's decoupled weight decay (never on norms)", NON_NEGATIVE)
+    decay_embeddings: bool = param("apply weight decay to the embeddings too")
+    beta1: float = param("Adam's first-moment decay", UNIT)
+    beta2: float = param("Adam's second-moment decay", UNIT)
+    eps: float = param("Adam's epsilon", POSITIVE)
+    grad_clip: float = param("global-norm gradient clip; 0 = off", NON_NEGATIVE)
+    steps: int = param("optimizer steps", POSITIVE)
+    eval_every: int = param("steps between val-loss evaluations", POSITIVE)
+    eval_batches: int = param("val batches per evaluation", POSITIVE)
+    # Execution settings: read by the stage, but no DVC param and not in the resume
+    # fingerprint, since they do not change what is learned.
+    log_every: int = param("steps between logged train metrics", POSITIVE)
+    checkpoint_every: int = param("steps between Orbax checkpoints", POSITIVE)
+    keep_checkpoints: int = param("checkpoints kept for resume", POSITIVE)
+
+    def validate(self, prefix: str) -> None:
+        if self.warmup_steps >= self.steps:
+            raise StagelmError(f"{prefix}.warmup_steps: {self.warmup_steps} must be below {prefix}.steps {self.steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig(OptimizerConfig):
+    """An optimizer run on packed rows: pretrain's `training`, and the base of sft and distill."""
+
+    section: ClassVar[str] = "training"
+
+    batch_size: int = param("global rows per microbatch", POSITIVE)
+    grad_accum: int = param("microbatches accumulated per optimizer step", POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh's axis sizes; their product is the device count."""
+
+    data: int = param("data-parallel axis size; -1 = the devices left over", MESH_AXIS)
+    fsdp: int = param("fully-sharded data-parallel axis size: parameters and optimizer state split along it", MESH_AXIS)
+    tensor: int = param("tensor-parallel axis size", MESH_AXIS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How the pack and training stages start: one local process, or behind a cluster launcher."""
+
+    command: str = param(
+        'prefix the pack and training stages start behind, e.g. srun --ntasks-per-node=4; "" = one local process'
+    )
+    initialization_timeout: int = param(
+        "seconds a process of several waits to join JAX's runtime before it gives up, naming the coordinator",
+        POSITIVE,
+    )
+
+    def validate(self, prefix: str) -> None:
+        try:
+            shlex.split(self.command)
+        except ValueError as err:
+            raise StagelmError(f"{prefix}.command: {err} in {self.command!r}; fix the quoting") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """What the eval stage measures on each model: val loss, and answers to the held-out prompts."""
+
+    batch_size: int = param("val rows per batch of the loss", POSITIVE)
+    max_batches: int | None = param("val batches for the loss; null = the whole val split", POSITIVE)
+    task_batch_size: int = param("eval prompts generated together", POSITIVE)
+    max_examples: int | None = param("eval prompts per task family; null = the whole eval set", POSITIVE)
+    max_new_tokens: int = param("longest generated answer, in tokens", POSITIVE)
+    sample_temperature: float = param(
+        "chat prompts answered once more, sampled at this temperature; 0 = skip", NON_NEGATIVE
+    )
+    pass_k: int = param("sampled chat answers per prompt for pass@1 and pass@k; 0 = skip", NON_NEGATIVE)
+    pass_k_prompts: int | None = param("prompts per family for pass@k, the first of the eval set; null = all", POSITIVE)
+
+    def validate(self, prefix: str) -> None:
+        if self.pass_k and not self.sample_temperature:
+            raise StagelmError(
+                f"{prefix}.pass_k: {self.pass_k} samples need {prefix}.sample_temperature > 0; set one to 0"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """The sample stage's prompts and sampling settings."""
+
+    prompts: list[str] = param("prompts the sample stage completes, one sample each")
+    max_new_tokens: int = param("tokens generated per prompt", POSITIVE)
+    temperature: float = param("sampling temperature; 0 = greedy", NON_NEGATIVE)
+    top_k: int = param("sample among the k likeliest tokens; 0 = off", NON_NEGATIVE)
+    top_p: float = param(
+        "nucleus sampling: the smallest set of tokens holding this much probability",
+        (lambda v: 0 < v <= 1, "a {type} in (0, 1]"),
+    )
+
+    def validate(self, prefix: str) -> None:
+        if not self.prompts or any(not p for p in self.prompts):
+            raise StagelmError(f"{prefix}.prompts: expected a non-empty list of non-empty strings")
+
+
+# The decoder's projections (model.Projection), by name: LoRA targets them, the HF mapping
+# and the merge walk them. Attention: q, kv, o; MLP: gate_up, down.
+PROJECTIONS = ("q", "kv", "o", "gate_up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (Hu et al., 2021) on the decoder's projections."""
+
+    rank: int = param("rank of the LoRA adapters", POSITIVE)
+    alpha: float = param(
+        "adapters' output is scaled by alpha / rank", POSITIVE
+    )  # the adapter's output is scaled by alpha / rank (Hu et al., 2021)
+    dropout: float = param("dropout on the adapters' input", (lambda v: 0 <= v < 1, "a {type} in [0, 1)"))
+    targets: list[str] = param(
+        "projections that get adapters",
+        (lambda v: bool(v) and set(v) <= set(PROJECTIONS), f"a non-empty list drawn from {list(PROJECTIONS)}"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SftConfig(TrainingConfig):
+    """Supervised fine-tuning of the pretrained model on the SFT conversations, full or LoRA."""
+
+    section: ClassVar[str] = "sft"
+
+    method: str = param(
+        "full: every weight trains; lora: only adapters train, and the saved model is merged", one_of("full", "lora")
+    )
+    # Replay, so tuning for chat costs the language model less.
+    replay: float = param(
+        "share of the rows drawn from the pretraining corpus; 0 = the SFT conversations alone",
+        (lambda v: 0 <= v < 1, "a {type} in [0, 1)"),
+    )
+    lora: LoraConfig = param("the adapters of method lora (the keys below)")
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentConfig(ModelShape):
+    """The distilled student's shape; everything else (RoPE, norms, dtypes) is the teacher's."""
+
+    vocab_size: int | None = param("null = the teacher's vocabulary (any other value is refused)", POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig(TrainingConfig):
+    """Distillation of the SFT model (the teacher) into a smaller student."""
+
+    section: ClassVar[str] = "distill"
+
+    alpha: float = param("weight of the soft term alpha·T²·KL(teacher‖student); 1 - alpha goes to the hard CE", UNIT)
+    temperature: float = param("temperature T of both distributions in the soft term", POSITIVE)
+    kl: str = param(
+        "the soft term's direction: forward KL(teacher‖student) or reverse KL(student‖teacher) (MiniLLM)",
+        one_of("forward", "reverse"),
+    )
+    data: str = param(
+        "what the student trains on: the packed corpus, the SFT conversations, or both", one_of("corpus", "sft", "both")
+    )
+    # teacher: distill.student_from_teacher
+    init: str = param(
+        "scratch: random weights (seed); teacher: the teacher pruned to the student's shape",
+        one_of("scratch", "teacher"),
+    )
+    on_policy: float = param("share of steps on the student's own answers to SFT prompts, scored by the teacher", UNIT)
+    student: StudentConfig = param("the student's shape; RoPE, norms, dtypes and tokenizer are the teacher's")
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoConfig(OptimizerConfig):
+    """GRPO on the SFT model: sampled answers to RL prompts, rewarded by each task family's checker."""
+
+    section: ClassVar[str] = "grpo"
+
+    families: list[str] = param("RL task families rewarded, and so targeted")
+    objective: str = param(
+        "grpo: the clipped-ratio policy gradient on group advantages; rft: the next-token loss on the "
+        "rollout's correct samples (rejection-sampling fine-tuning, expert iteration)",
+        one_of("grpo", "rft"),
+    )
+    positive_weight: float = param("grpo objective: weight of the samples with a positive advantage", NON_NEGATIVE)
+    negative_weight: float = param(
+        "grpo objective: weight of the samples with a negative advantage (0 with 1 above: positive-only, RAFT-like)",
+        NON_NEGATIVE,
+    )
+    rft_keep: str = param(
+        "rft objective: train on every correct sample of a prompt, or on one (the first drawn)", one_of("all", "one")
+    )
+    reward: str = param(
+        "outcome: 1 for a right answer; steps: partial credit for each right step of a wrong answer "
+        "(families with checkable steps)",
+        one_of("outcome", "steps"),
+    )
+    prompts_per_step: int = param(
+        "prompts per rollout; an update trains on prompts_per_step × group_size samples", POSITIVE
+    )
+    group_size: int = param(
+        "samples per prompt, compared with each other",
+        (lambda v: v >= 2, "an {type} >= 2 (advantages compare samples of one prompt)"),
+    )
+    temperature: float = param("rollout sampling temperature", POSITIVE)
+    top_p: float = param("rollout nucleus sampling", (lambda v: 0 < v <= 1, "a {type} in (0, 1]"))
+    max_new_tokens: int = param("longest sampled answer, in tokens", POSITIVE)
+    format_weight: float = param("reward added for a well-formed answer, beside correctness", NON_NEGATIVE)
+    clip_eps: float = param("the policy ratio is clipped below at 1 - clip_eps", FRACTION)
+    clip_eps_high: float | None = param("the ratio's upper clip is 1 + this (DAPO: 0.28); null = clip_eps", POSITIVE)
+    advantages: str = param(
+        "group: (reward - group mean) / group std (GRPO); none: reward - group mean (Dr. GRPO)", one_of("group", "none")
+    )
+    dynamic_sampling: bool = param("drop groups whose samples all scored alike and draw more prompts (DAPO)")
+    max_draws: int = param("dynamic sampling: prompt batches drawn per rollout at most", POSITIVE)
+    kl_coef: float = param("weight of the k3 KL to the reference on the rollouts' tokens; 0 = off", NON_NEGATIVE)
+    anchor_coef: float = param(
+        "weight of the k3 KL to the reference on SFT answers of the unrewarded families; 0 = off", NON_NEGATIVE
+    )  # weight of the KL to the reference on SFT rows (0: none)
+    anchor_rows: int = param("SFT conversations per update for the anchor term", POSITIVE)
+    updates_per_rollout: int = param("optimizer steps per rollout; rollouts = steps / updates_per_rollout", POSITIVE)
+    grad_accum: int = param(
+        "micro-batches per update: a rollout is sampled and its gradient summed in this many chunks", POSITIVE
+    )
+    optimizer: str = param(
+        "adamw, or sgd with momentum beta1 (no second moment, so no early steps scaled by a noisy variance)",
+        one_of("adamw", "sgd"),
+    )
+    method: str = param(
+        "full: every weight trains; lora: only adapters train, and the saved model is merged; norms: only the "
+        "RMSNorm gains train (the logits' scale, per feature and layer: a sharpening at little cost)",
+        one_of("full", "lora", "norms"),
+    )
+    lora: LoraConfig = param("the adapters of method lora (the keys below)")
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per micro-batch (and per val batch): a rollout's samples over `grad_accum`."""
+        return self.prompts_per_step * self.group_size // self.grad_accum
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.prompts_per_step % self.grad_accum:
+            raise StagelmError(
+                f"{prefix}.grad_accum: {self.grad_accum} does not divide {prefix}.prompts_per_step "
+                f"{self.prompts_per_step} (each micro-batch holds whole groups)"
+            )
+        if not self.families:  # the names are checked against stagelm.tasks by the grpo stage and `stagelm check`
+            raise StagelmError(f"{prefix}.families: empty list; name the rl task families to reward")
+        for key in ("steps", "eval_every", "checkpoint_every"):
+            if getattr(self, key) % self.updates_per_rollout:
+                raise StagelmError(
+                    f"{prefix}.{key}: {getattr(self, key)} is not a multiple of {prefix}.updates_per_rollout "
+                    f"{self.updates_per_rollout} (checkpoints and evals fall between rollouts)"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkConfig(ModelShape):
+    """The shape the benchmark stage times (random weights and tokens) and how often."""
+
+    vocab_size: int = param("vocabulary of the timed model (random weights and tokens)", POSITIVE)
+    seq_len: int = param("tokens per row of the timed train step", POSITIVE)
+    batch_size: int = param("rows per timed train step", POSITIVE)
+    dtype: str = param("compute dtype of the timed model", one_of("float32", "bfloat16", "float16"))
+    prompt_len: int = param("decode: prompt tokens per row", POSITIVE)
+    new_tokens: int = param("decode: tokens generated per row", POSITIVE)
+    matmul_size: int = param(
+        "n of the (n, n) @ (n, n) fp32 matmul whose FLOP/s is the machine's practical peak", POSITIVE
+    )
+    warmup: int = param("untimed calls before the timed ones", NON_NEGATIVE)
+    repetitions: int = param(
+        "timed calls of each measure (min, median, max)",
+        (lambda v: v >= 10, "an {type} >= 10 (min / median / max need samples)"),
+    )
+    # Naive decoding (the whole prefix recomputed per token) runs 16-25x slower than cached, so
+    # at batch 8 its ten repetitions were most of the stage; a few give its median to well
+    # within the speedup the claims check (>= 5x).
+    naive_repetitions: int = param("timed calls of naive full-prefix decoding, the KV cache's reference", POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """What the export stages write beside the transformers checkpoint."""
+
+    gguf_dtype: str = param(
+        "dtype of model.gguf's matrices (llama.cpp): float32, float16 or bfloat16; norms stay float32",
+        one_of("float32", "float16", "bfloat16"),
+    )
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+    "pack": PackConfig,
+    "model": ModelConfig,
+    "training": TrainingConfig,
+    "mesh": MeshConfig,
+    "launch": LaunchConfig,
+    "eval": EvalConfig,
+    "sample": SampleConfig,
+    "sft": SftConfig,
+    "distill": DistillConfig,
+    "grpo": GrpoConfig,
+    "benchmark": BenchmarkConfig,
+    "export": ExportConfig,
+}
+
+
+def section_keys(name: str) -> list[str]:
+    """The dotted keys of section `name`, in its dataclass's order."""
+    return [f"{name}.{f.name}" for f in dataclasses.fields(SECTIONS[name])]
+
+
+# Keys that tune how a stage runs, not what it computes: never DVC params, never hashed
+# into a resume fingerprint. Whole sections of them first.
+EXECUTION_SECTIONS = ("mesh", "launch")
+EXECUTION_KEYS = {
+    f"{section}.{key}"
+    for section in ("training", "sft", "distill", "grpo")
+    for key in ("log_every", "checkpoint_every", "keep_checkpoints")
+}
+
+
+# --- parsing -------------------------------------------------------------------------
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file read as DVC reads it: ruamel.yaml's safe loader, YAML 1.2 (so `5e-05` is a
+    float, as `dvc exp run -S` writes it), duplicate keys refused. Nothing in it is executed.
+    The pure-Python parser: ruamel's C one overflows the C stack on deeply nested input,
+    where Python's raises RecursionError (and params.yaml is small)."""
+    try:
+        return YAML(typ="safe", pure=True).load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise StagelmError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
+    except RecursionError:
+        raise StagelmError(f"{path}: nested too deeply to read; flatten it") from None
+    except YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        problem = str(getattr(err, "problem", "") or "").split("\n")[0]
+        what = f": {problem}" if problem else ""
+        raise StagelmError(f"{path}: not valid YAML{line}{what}; fix the syntax") from None
+
+
+def read_params(path: str | Path) -> dict[str, Any]:
+    """Read params.yaml as a mapping, with DVC's number rules (`read_yaml`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StagelmError(f"{path}: params file not found; run from the project root or pass --params")
+    params = read_yaml(path)
+    if not isinstance(params, dict):
+        raise StagelmError(f"{path}: expected a mapping of sections at the top level")
+    return params
+
+
+def did_you_mean(name: Any, known: Any) -> str:
+    """` (did you mean 'x'?)` for the closest of `known` to a misspelled `name`, or ""."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+TOP_LEVEL = ("seed", *SECTIONS)  # every key params.yaml may hold at its top level
+
+
+def validate_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Every key of params.yaml checked (unknown top-level keys too): the seed and each
+    section's dataclass, by name. The `params` stage runs this before any other stage,
+    so a misspelled key fails `dvc repro` even where a stage lists its keys one by one."""
+    for key in params:
+        if key not in TOP_LEVEL:
+            raise StagelmError(
+                f"{key}: unknown top-level key of params.yaml{did_you_mean(key, TOP_LEVEL)}; "
+                f"expected {', '.join(TOP_LEVEL)}"
+            )
+    sections = {"seed": load_seed(params), **{name: load_section(params, name) for name in SECTIONS}}
+    require_init_inside_inputs(sections["model"], sections["data"])
+    return sections
+
+
+def load_section(params: dict[str, Any], name: str) -> Any:
+    """The typed, validated dataclass of section `name` of `params`."""
+    if name not in params:
+        raise StagelmError(f"{name}: section missing from params.yaml; add it (docs/params.md lists every key)")
+    return parse_dataclass(SECTIONS[name], params[name], name)
+
+
+def load_value(params: dict[str, Any], key: str) -> Any:
+    """One validated value, `section.field`, for a stage that reads only that key of a section."""
+    section, name = key.split(".")
+    if section not in params or not isinstance(params[section], dict) or name not in params[section]:
+        raise StagelmError(f"{key}: missing from params.yaml; add it (docs/params.md lists every key)")
+    field = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
+    hint = typing.get_type_hints(SECTIONS[section])[name]
+    return check_value(params[section][name], hint, key, field.metadata.get("check"))
+
+
+def load_seed(params: dict[str, Any]) -> int:
+    if "seed" not in params:
+        raise StagelmError("seed: missing from params.yaml; add e.g. `seed: 0`")
+    return check_value(params["seed"], int, "seed", SEED)
+
+
+def parse_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise StagelmError(f"{prefix}: expected a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            raise StagelmError(
+                f"{prefix}.{key}: unknown key{did_you_mean(key, fields)}; expected one of {', '.join(fields)}"
+            )
+    values = {}
+    for name, field in fields.items():
+        if name not in raw:
+            raise StagelmError(f"{prefix}.{name}: missing; add it to params.yaml")
+        values[name] = check_value(raw[name], hints[name], f"{prefix}.{name}", field.metadata.get("check"))
+    config = cls(**values)
+    if hasattr(config, "validate"):  # rules across keys, named under `prefix`
+        config.validate(prefix)
+    return config
+
+
+def check_value(value: Any, hint: Any, key: str, check: tuple | None = None) -> Any:
+    """Return `value` converted to `hint`, or raise naming `key` and what was expected."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return check_value(value, hint, key, check)
+    if dataclasses.is_dataclass(hint):
+        return parse_dataclass(hint, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise StagelmError(f"{key}: expected a list, got {value!r}")
+        items = tuple(check_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if check is not None and not check[0](items):
+            raise StagelmError(f"{key}: expected {check[1].format(type='list')}, got {value!r}")
+        return items
+    words = {int: "int", float: "float", str: "string", bool: "bool"}[hint]
+    ok = isinstance(value, hint) and not (hint is not bool and isinstance(value, bool))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = (float(value), True) if abs(value) < 2**1023 else (value, False)
+    if ok and hint is float and not math.isfinite(value):  # .inf and .nan pass every comparison check
+        raise StagelmError(f"{key}: expected a finite float, got {value!r}; write a number")
+    if ok and check is not None and not check[0](value):
+        ok = False
+    if not ok:
+        what = check[1].format(type=words) if check else ("an int" if hint is int else f"a {words}")
+        raise StagelmError(f"{key}: expected {what}, got {shown(value)}")
+    return value
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: an error line stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def section_dict(config: Any) -> dict[str, Any]:
+    """A dataclass as a plain dict (tuples as lists), for JSON and fingerprints."""
+
+    def plain(v: Any) -> Any:
+        return [plain(x) for x in v] if isinstance(v, tuple) else v
+
+    return {k: plain(v) for k, v in dataclasses.asdict(config).items()}

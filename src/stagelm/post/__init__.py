@@ -1,0 +1,1 @@
+"""Post-training on top of the loop: distillation and GRPO."""
