@@ -24,7 +24,7 @@ from stagelm.infer.generate import Generator
 from stagelm.measure.evaluation import accuracy_of, answer_tasks, limit_per_family
 from stagelm.model.lora import trainable_part
 from stagelm.model.modeldir import load_model, read_model_context
-from stagelm.pipeline.config import load_section, read_params
+from stagelm.pipeline.params import load_section, read_params
 from stagelm.train.checkpoints import Checkpoints
 from stagelm.train.step import init_state, make_optimizer
 

@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from stagelm.infer.generate import load_generator
-    from stagelm.interop.gguf_file import export_gguf
+    from stagelm.interop.gguf_export import export_gguf
     from stagelm.measure.benchmark import cpu_model, matmul_gflops
     from stagelm.model.decoder import count_params
 

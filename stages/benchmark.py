@@ -22,7 +22,7 @@ from stagelm.data.loader import PackedRows
 from stagelm.infra.devices import peak_flops
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import atomic_write_bytes, write_json
-from stagelm.infra.memory import benchmark_bytes, require_memory
+from stagelm.infra.memory import require_memory
 from stagelm.measure.benchmark import (
     SCHEMA_VERSION,
     bench_decode,
@@ -35,7 +35,8 @@ from stagelm.measure.benchmark import (
     mfu,
     summary,
 )
-from stagelm.pipeline.config import load_section, section_dict
+from stagelm.model.footprint import benchmark_bytes
+from stagelm.pipeline.params import load_section, section_dict
 from stagelm.pipeline.provenance import git_state
 from stagelm.pipeline.stage import start
 

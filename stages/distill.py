@@ -34,7 +34,7 @@ from stagelm.infer.generate import Generator
 from stagelm.infra.errors import StagelmError, run_main
 from stagelm.model.decoder import Decoder, count_params
 from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
-from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.post.distill import (
     STUDENT,
     Distiller,

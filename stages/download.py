@@ -8,7 +8,7 @@ written last, so a killed run leaves no folder that looks done.
 
 from stagelm.data.download import write_download
 from stagelm.infra.errors import run_main
-from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.params import load_section, section_dict
 from stagelm.pipeline.stage import beside, start
 
 

@@ -18,7 +18,7 @@ from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infer.generate import BUCKET, Generator
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import atomic_write_bytes, write_json
-from stagelm.infra.memory import generation_bytes, require_memory
+from stagelm.infra.memory import require_memory
 from stagelm.infra.mesh import make_mesh
 from stagelm.measure.evaluation import (
     FORMATS,
@@ -30,8 +30,9 @@ from stagelm.measure.evaluation import (
     task_prompts,
     val_metrics,
 )
+from stagelm.model.footprint import generation_bytes
 from stagelm.model.modeldir import load_model, read_model_context
-from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.params import load_section, section_dict
 from stagelm.pipeline.stage import start
 from stagelm.train.batches import check_batch
 

@@ -8,10 +8,10 @@ matrices in `export.gguf_dtype`); its provenance goes beside the folder, `<out>.
 """
 
 from stagelm.infra.errors import run_main
-from stagelm.interop.gguf_file import export_gguf
-from stagelm.interop.hf import export_hf
+from stagelm.interop.gguf_export import export_gguf
+from stagelm.interop.hf_export import export_hf
 from stagelm.model.modeldir import PARAMS_FILE
-from stagelm.pipeline.config import load_section, section_dict
+from stagelm.pipeline.params import load_section, section_dict
 from stagelm.pipeline.stage import beside, start
 
 

@@ -20,11 +20,12 @@ from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infer.generate import Generator
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import read_json, write_json
-from stagelm.infra.memory import generation_bytes, require_memory
+from stagelm.infra.memory import require_memory
 from stagelm.model.decoder import count_params
+from stagelm.model.footprint import generation_bytes
 from stagelm.model.lora import merge_lora, trainable_part
 from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
-from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.post.grpo import Rollouts, grpo_loss, rollout_sets
 from stagelm.tasks import require_families
 from stagelm.train.checkpoints import stage_fingerprint

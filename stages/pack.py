@@ -22,6 +22,7 @@ from stagelm.data.chatformat import load_chat_format
 from stagelm.data.pack import (
     ShardWriter,
     Spilled,
+    pack_buffer_bytes,
     pack_chats,
     pack_corpus,
     spill_corpus,
@@ -35,8 +36,8 @@ from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infra import distributed
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import read_json, replace_folder, sha256_file, write_json
-from stagelm.infra.memory import host_available, pack_buffer_bytes, require_memory
-from stagelm.pipeline.config import load_section, section_dict
+from stagelm.infra.memory import host_available, require_memory
+from stagelm.pipeline.params import load_section, section_dict
 from stagelm.pipeline.stage import beside, start
 
 

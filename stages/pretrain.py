@@ -16,11 +16,12 @@ from flax import nnx
 from stagelm.data.loader import PackedRows
 from stagelm.infra.devices import peak_flops
 from stagelm.infra.errors import StagelmError, run_main
-from stagelm.infra.memory import param_count, require_memory, training_state_bytes
-from stagelm.interop.checkpoint import read_checkpoint
+from stagelm.infra.memory import require_memory
+from stagelm.interop.checkpoint import checkpoint_source, read_checkpoint
 from stagelm.model.decoder import Decoder, DecoderConfig, count_params, flops_per_token
+from stagelm.model.footprint import param_count, training_state_bytes
 from stagelm.model.modeldir import save_model
-from stagelm.pipeline.config import init_dir, load_section, load_seed, section_dict
+from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.train.checkpoints import stage_fingerprint
 from stagelm.train.loop import record_training, start_training, train
 
@@ -37,7 +38,7 @@ def main() -> None:
     train_rows.require_tokenizer(args.tokenizer)
     read = {"model": section_dict(model_cfg), "training": section_dict(tcfg), "seed": seed}
     inputs = {"train": args.train / "manifest.json", "val": args.val / "manifest.json", "tokenizer": args.tokenizer}
-    source = init_dir(model_cfg.init_from)
+    source = checkpoint_source(model_cfg.init_from)
     context = manifest["seq_len"]
     if source is None:
         n = param_count(manifest["vocab_size"], **model_cfg.shape(), tie_embeddings=model_cfg.tie_embeddings)

@@ -14,7 +14,7 @@ import jax
 from stagelm.infer.generate import Sampling, load_generator
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import atomic_write_bytes
-from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.pipeline.stage import start
 
 

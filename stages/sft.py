@@ -19,7 +19,7 @@ from stagelm.infra.files import sha256_tree, write_json
 from stagelm.model.decoder import count_params
 from stagelm.model.lora import add_lora, merge_lora, save_adapter
 from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_config, read_model_context, save_model
-from stagelm.pipeline.config import load_section, load_seed, section_dict
+from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.train.checkpoints import stage_fingerprint
 from stagelm.train.loop import record_training, start_training, train
 

@@ -13,8 +13,8 @@ from stagelm.data.rawdata import iter_column
 from stagelm.data.tokenizer import CHAT_FILE, TrainingSample, train_tokenizer
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import atomic_write_bytes
-from stagelm.interop.checkpoint import read_checkpoint
-from stagelm.pipeline.config import init_dir, load_section, load_value, section_dict
+from stagelm.interop.checkpoint import checkpoint_source, read_checkpoint
+from stagelm.pipeline.params import load_section, load_value, section_dict
 from stagelm.pipeline.stage import beside, start
 
 
@@ -28,7 +28,7 @@ def main() -> None:
 
     chat = None
     if init_from is not None:
-        source = init_dir(init_from)
+        source = checkpoint_source(init_from)
         checkpoint = read_checkpoint(source, weights=False)
         tok, chat = checkpoint.tokenizer, checkpoint.chat
         inputs = {"checkpoint": source}

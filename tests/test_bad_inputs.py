@@ -15,7 +15,7 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from stagelm import cli
-from stagelm.interop.hf import EXPORT_FILES
+from stagelm.interop.hf_export import EXPORT_FILES
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.model.modeldir import save_model
 

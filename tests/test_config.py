@@ -6,7 +6,8 @@ import pytest
 from conftest import ROOT, micro_params, run, shipped_params, write_params
 
 from stagelm.infra.errors import StagelmError
-from stagelm.pipeline.config import SECTIONS, load_section, load_seed, parse_dataclass
+from stagelm.pipeline.config import SECTIONS
+from stagelm.pipeline.params import load_section, load_seed, parse_dataclass
 
 
 def test_every_shipped_section_parses():

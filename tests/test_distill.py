@@ -18,7 +18,7 @@ from stagelm.infer.generate import Generator
 from stagelm.infra.files import read_json
 from stagelm.model.decoder import Decoder, DecoderConfig, count_params
 from stagelm.model.modeldir import load_model
-from stagelm.pipeline.config import load_section
+from stagelm.pipeline.params import load_section
 from stagelm.post.distill import (
     SAMPLED,
     STUDENT,

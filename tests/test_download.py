@@ -17,7 +17,7 @@ from conftest import ROOT, make_project, micro_params, run, write_params
 from stagelm.data import download
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import read_json
-from stagelm.pipeline.config import load_section
+from stagelm.pipeline.params import load_section
 
 
 def data_cfg(**overrides):

@@ -19,7 +19,7 @@ from stagelm.infra.mesh import make_mesh
 from stagelm.model.decoder import Decoder, DecoderConfig, count_params
 from stagelm.model.lora import NORMS
 from stagelm.model.modeldir import load_model, read_model_context
-from stagelm.pipeline.config import load_section
+from stagelm.pipeline.params import load_section
 from stagelm.post.grpo import (
     Group,
     Rollouts,

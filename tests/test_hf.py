@@ -16,7 +16,9 @@ from stagelm.data.rawdata import read_raw
 from stagelm.data.tokenizer import chat_prompt_ids, load_tokenizer
 from stagelm.infer.generate import Generator, load_generator
 from stagelm.infra.errors import StagelmError
-from stagelm.interop.hf import CHAT_TEMPLATE, export_hf, import_hf
+from stagelm.interop.chat_spec import CHAT_TEMPLATE
+from stagelm.interop.hf_export import export_hf
+from stagelm.interop.hf_import import import_hf
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.model.modeldir import load_model, read_model_context, save_model
 
@@ -291,7 +293,8 @@ def test_gguf_export_reads_back_in_transformers_and_gguf(micro_data, tmp_path, t
     logits are far off: the permutation is what the parity rests on."""
     import gguf
 
-    from stagelm.interop.gguf_file import export_gguf, import_gguf
+    from stagelm.interop.gguf_export import export_gguf
+    from stagelm.interop.gguf_import import import_gguf
 
     model_dir, model = stagelm_model(micro_data, tmp_path, tie)
     export_gguf(model_dir, tmp_path / "m.gguf")
@@ -321,9 +324,9 @@ def test_gguf_export_reads_back_in_transformers_and_gguf(micro_data, tmp_path, t
     gen = Generator(model, load_tokenizer(model_dir / "tokenizer.json"), 64)
     assert gen.generate([ids], 12, until_stop=False)[0].tokens == hf_out[0, len(ids) :].tolist()
 
-    from stagelm.interop import gguf_file
+    from stagelm.interop import gguf_export
 
-    monkeypatch.setattr(gguf_file, "permute", lambda w, heads: w)  # llama.cpp's layout forgotten
+    monkeypatch.setattr(gguf_export, "permute", lambda w, heads: w)  # llama.cpp's layout forgotten
     export_gguf(model_dir, tmp_path / "unpermuted.gguf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="unpermuted.gguf", dtype=torch.float32)
     with torch.no_grad():

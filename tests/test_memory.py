@@ -5,8 +5,9 @@ import pytest
 from flax import nnx
 
 from stagelm.infra.errors import StagelmError
-from stagelm.infra.memory import kv_cache_bytes, param_count, require_memory
+from stagelm.infra.memory import require_memory
 from stagelm.model.decoder import Decoder, DecoderConfig, count_params, init_cache
+from stagelm.model.footprint import kv_cache_bytes, param_count
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -43,7 +44,7 @@ def test_generation_estimate_covers_the_compiled_decode_loop(rows, width, new):
     from tokenizers import Tokenizer, models
 
     from stagelm.infer.generate import Generator, Sampling
-    from stagelm.infra.memory import generation_bytes
+    from stagelm.model.footprint import generation_bytes
 
     cfg = DecoderConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, "t0"))
@@ -58,8 +59,8 @@ def test_generation_estimate_covers_the_compiled_decode_loop(rows, width, new):
 @pytest.mark.parametrize(("rows", "seq_len"), [(4, 64), (16, 256), (2, 1024)])
 def test_train_step_estimate_covers_the_compiled_step(rows, seq_len):
     """benchmark_bytes' train step (checked before the benchmark allocates anything) against XLA's figures."""
-    from stagelm.infra.memory import train_step_bytes
     from stagelm.measure.benchmark import bench_optimizer, random_rows
+    from stagelm.model.footprint import train_step_bytes
     from stagelm.train.step import init_state, make_optimizer, make_train_step
 
     cfg = DecoderConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192)

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, micro_params, run_in_process, write_params
 
 from stagelm import cli
-from stagelm.pipeline.config import load_section, read_params, validate_params
+from stagelm.pipeline.params import load_section, read_params, validate_params
 
 
 def params_text(tmp_path, edit: str) -> str:

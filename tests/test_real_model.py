@@ -25,7 +25,7 @@ from stagelm.data.loader import PackedRows
 from stagelm.data.rawdata import read_raw
 from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infer.generate import load_generator
-from stagelm.interop.hf import import_config, import_hf
+from stagelm.interop.hf_import import import_config, import_hf
 from stagelm.model.modeldir import load_model
 from stagelm.train.step import lm_loss
 

@@ -14,7 +14,8 @@ from stagelm.infra.files import read_json
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.model.lora import add_lora, merge_lora
 from stagelm.model.modeldir import load_model
-from stagelm.pipeline.config import LoraConfig, load_section
+from stagelm.pipeline.config import LoraConfig
+from stagelm.pipeline.params import load_section
 from stagelm.train.step import init_state, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)

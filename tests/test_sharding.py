@@ -12,7 +12,7 @@ from stagelm.data.loader import PackedRows, batch_iterator
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.mesh import make_mesh, replicated
 from stagelm.model.decoder import Decoder, DecoderConfig
-from stagelm.pipeline.config import load_section
+from stagelm.pipeline.params import load_section
 from stagelm.train.checkpoints import Checkpoints
 from stagelm.train.loop import global_batch, shard_state, state_shardings
 from stagelm.train.step import init_state, make_optimizer, make_train_step

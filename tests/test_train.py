@@ -11,7 +11,7 @@ from flax import nnx
 
 from stagelm.data.loader import PackedRows, batch_iterator
 from stagelm.model.decoder import Decoder, DecoderConfig
-from stagelm.pipeline.config import load_section
+from stagelm.pipeline.params import load_section
 from stagelm.train.step import decay_mask, init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from stagelm.infra.errors import StagelmError, run_main
 from stagelm.infra.files import read_json_object, sha256_file
-from stagelm.pipeline.config import SECTIONS, load_section, read_params, read_yaml, require_inputs, validate_params
+from stagelm.pipeline.config import SECTIONS, require_inputs
+from stagelm.pipeline.params import load_section, read_params, read_yaml, validate_params
 
 
 def pipeline_vars(pipeline: Path) -> dict[str, str]:
@@ -125,13 +126,11 @@ def print_estimates(sections: dict) -> None:
     cap), against what this machine has: a warning line for each that does not fit."""
     from types import SimpleNamespace
 
-    from stagelm.infra.memory import (
-        HEADROOM,
+    from stagelm.data.pack import pack_buffer_bytes
+    from stagelm.infra.memory import HEADROOM, gib, host_available
+    from stagelm.model.footprint import (
         benchmark_bytes,
         generation_bytes,
-        gib,
-        host_available,
-        pack_buffer_bytes,
         param_count,
         train_step_bytes,
         training_state_bytes,
@@ -275,7 +274,7 @@ def refuse_dvc_output(target: Path, command: str) -> None:
 
 
 def export_hf(args: argparse.Namespace) -> None:
-    from stagelm.interop.hf import export_hf
+    from stagelm.interop.hf_export import export_hf
 
     refuse_dvc_output(args.out_dir, "export-hf")  # the export@ stages write there through the library
     out = export_hf(args.model_dir, args.out_dir)  # refuses its source, a file, or a folder of other files
@@ -283,7 +282,7 @@ def export_hf(args: argparse.Namespace) -> None:
 
 
 def export_gguf(args: argparse.Namespace) -> None:
-    from stagelm.interop.gguf_file import export_gguf
+    from stagelm.interop.gguf_export import export_gguf
 
     if args.out_file.is_dir():
         raise StagelmError(f"{args.out_file}: a folder; give export-gguf the path of the .gguf file to write")

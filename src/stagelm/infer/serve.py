@@ -45,7 +45,8 @@ from stagelm.infer.connection import LOOPBACK_NAMES, HostCheck, deadline_protoco
 from stagelm.infer.engine import Engine, Request
 from stagelm.infer.generate import load_generator
 from stagelm.infra.errors import StagelmError
-from stagelm.infra.memory import kv_cache_bytes, require_memory
+from stagelm.infra.memory import require_memory
+from stagelm.model.footprint import kv_cache_bytes
 
 MAX_BODY = 1 << 20  # bytes of a request body
 MAX_STOP = 4  # stop strings per request, as OpenAI allows

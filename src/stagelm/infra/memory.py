@@ -1,19 +1,16 @@
 """Memory a stage or the server is about to ask for, against what the machine has.
 
-A size typed into params.yaml or a flag (`pack.seq_len: 1000000000`, `serve --slots
-100000`) should fail in one line before anything is allocated, not as an out-of-memory
-traceback minutes later or a machine swapping. The figures here are plain arithmetic
-on the shapes (a KV cache, a model's parameters and Adam's moments, pack's buffers);
-what is available is the accelerator's own limit, or on the CPU the smaller of the
-kernel's MemAvailable and what the process's cgroup still allows.
+A size typed into params.yaml or a flag should fail in one line before anything is
+allocated, not as an out-of-memory traceback minutes later or a machine swapping. The
+figures asked for come from arithmetic on the shapes (`stagelm.model.footprint` for a
+decoder, `stagelm.data.pack` for pack's buffers); what is available is the accelerator's
+own limit, or on the CPU the smaller of the kernel's MemAvailable and what the process's
+cgroup still allows.
 
-    need = kv_cache_bytes(model.cfg, rows=slots, length=capacity)
     require_memory(need, "--slots", f"{slots} slots × {capacity} positions of KV cache")
 """
 
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 from stagelm.infra.errors import StagelmError
 
@@ -21,80 +18,6 @@ GIB = 1 << 30
 # What the rest of the process needs beside the figure checked (the runtime, compiled
 # programs, buffers the arithmetic does not count): a request must leave this much free.
 HEADROOM = 1 << 29
-
-
-def dtype_bytes(dtype: str) -> int:
-    return 2 if dtype in ("bfloat16", "float16") else 4
-
-
-def param_count(
-    vocab_size: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int, tie_embeddings: bool = True
-) -> int:
-    """Parameters of a stagelm decoder of this shape (stagelm.model.decoder: RMSNorm, GQA, SwiGLU)."""
-    head = d_model // n_heads
-    attention = d_model * n_heads * head + 2 * d_model * n_kv_heads * head + n_heads * head * d_model
-    layer = attention + 3 * d_model * d_ff + 2 * d_model
-    return vocab_size * d_model * (1 if tie_embeddings else 2) + n_layers * layer + d_model
-
-
-def training_state_bytes(n_params: int, param_dtype: str) -> int:
-    """Parameters, their gradients and Adam's two moments, each in the parameters' dtype."""
-    return 4 * n_params * dtype_bytes(param_dtype)
-
-
-def pack_buffer_bytes(rows_per_shard: int, row_len: int) -> int:
-    """pack's shard of rows: up to four int32 columns, held about three times over while it is cut and written."""
-    return 3 * 4 * 4 * rows_per_shard * row_len
-
-
-def kv_cache_bytes(cfg: Any, rows: int, length: int) -> int:
-    """A KV cache of `rows` × `length` positions for a decoder config (`stagelm.model.decoder.DecoderConfig`):
-    keys and values of every layer, plus the int32 segment and position of each slot."""
-    per_position = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(cfg.dtype) + 8
-    return rows * length * per_position
-
-
-def generation_bytes(cfg: Any, rows: int, width: int, max_new: int) -> int:
-    """What the jitted decode loop (`generate.Generator`) allocates for `rows` prompts laid out
-    `width` tokens wide and `max_new` new tokens, by arithmetic on the shapes: the KV cache of
-    width + max_new slots twice (the loop carries it in and out), the prefill's float32 scores
-    and softmax weights of one layer, its logits and MLP activations, and the tokens and
-    statistics out. tests/test_memory.py holds it against XLA's own figures for the compiled
-    loop: never below them, at most three times them."""
-    slots = width + max_new
-    scores = 2 * rows * cfg.n_heads * width * slots * 4
-    prefill = rows * width * (cfg.vocab_size + 2 * cfg.d_ff + 4 * cfg.d_model) * dtype_bytes(cfg.dtype)
-    return 2 * kv_cache_bytes(cfg, rows, slots) + scores + prefill + rows * max_new * 12
-
-
-def train_step_bytes(cfg: Any, rows: int, seq_len: int) -> int:
-    """A train step's memory beside the state by arithmetic (what `trainloop.require_step_memory`
-    reads from XLA once the step is compiled): per layer, the activations the backward pass
-    keeps and the float32 attention weights; the logits and their gradient; the gradients."""
-    tokens = rows * seq_len
-    width = dtype_bytes(cfg.dtype)
-    per_layer = tokens * (12 * cfg.d_model + 6 * cfg.d_ff) * width + 2 * rows * cfg.n_heads * seq_len * seq_len * 4
-    logits = 3 * tokens * cfg.vocab_size * 4
-    n = param_count(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff)
-    return cfg.n_layers * per_layer + logits + n * 4
-
-
-def benchmark_bytes(cfg: Any) -> dict[str, int]:
-    """What each of the benchmark stage's measures allocates (`config.BenchmarkConfig`), by key:
-    the matmul, the train step with its state, and cached and naive decoding at batch 8."""
-    shape = SimpleNamespace(
-        vocab_size=cfg.vocab_size, **cfg.shape(), dtype=cfg.dtype, head_dim=cfg.d_model // cfg.n_heads
-    )
-    n = param_count(cfg.vocab_size, **cfg.shape())
-    slots = cfg.prompt_len + cfg.new_tokens
-    return {
-        "benchmark.matmul_size": 3 * cfg.matmul_size**2 * dtype_bytes(cfg.dtype),
-        "benchmark.seq_len": training_state_bytes(n, "float32") + train_step_bytes(shape, cfg.batch_size, cfg.seq_len),
-        "benchmark.new_tokens": max(
-            generation_bytes(shape, 8, cfg.prompt_len, cfg.new_tokens),
-            2 * 8 * cfg.n_heads * slots * slots * 4 + 8 * slots * cfg.vocab_size * 4,  # naive: whole prefixes
-        ),
-    }
 
 
 def cgroup_limit() -> int | None:

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 
 from stagelm.data.tokenizer import read_tokenizer_file
 from stagelm.infra.errors import StagelmError
+from stagelm.interop.gguf_import import gguf_chat_spec, gguf_tokenizer, import_gguf, open_gguf
+from stagelm.interop.hf_import import hf_chat_spec, import_config, import_hf
 from stagelm.model.decoder import Decoder
-
-SCHEMES = ("hf", "gguf")
 
 
 @dataclasses.dataclass
@@ -37,10 +37,17 @@ class Checkpoint:
         return self.tokenizer.to_str(pretty=True).encode()
 
 
-def source_path(init_from: str) -> Path:
-    """The file or folder of `model.init_from` (`hf:<folder>` or `gguf:<file>`)."""
+def checkpoint_source(init_from: str | None) -> Path | None:
+    """The checkpoint `model.init_from` names (`hf:<folder>` or `gguf:<file>`), or None (from scratch)."""
+    if init_from is None:
+        return None
     scheme, _, rest = init_from.partition(":")
-    return Path(rest).expanduser() if scheme in SCHEMES else Path(init_from)
+    path = Path(rest).expanduser()
+    if scheme == "gguf" and not path.is_file():
+        raise StagelmError(f"model.init_from: {path} is not a file; give a llama .gguf file under data.inputs")
+    if scheme == "hf" and not (path / "config.json").is_file():
+        raise StagelmError(f"model.init_from: {path} has no config.json; give a transformers checkpoint folder")
+    return path
 
 
 def is_gguf(source: Path) -> bool:
@@ -50,22 +57,25 @@ def is_gguf(source: Path) -> bool:
 def read_checkpoint(source: str | Path, weights: bool = True, vocab_size: int | None = None, **settings: Any):
     """The checkpoint at `source` (a transformers folder or a .gguf file): its model (unless
     `weights` is False), context length, own tokenizer and chat spec. `vocab_size` and `settings`
-    as `hf.decoder_from_hf` takes them."""
-    from stagelm.interop.gguf_file import import_gguf, open_gguf
-    from stagelm.interop.hf import hf_chat_spec, import_config, import_hf
-
+    as `llama_state.decoder_from_llama_tensors` takes them."""
     source = Path(source)
     if is_gguf(source):
-        if not weights:
-            from stagelm.interop.gguf_file import gguf_chat_spec, gguf_tokenizer
-
-            reader = open_gguf(source)
-            tok = gguf_tokenizer(reader, source)
-            return Checkpoint(None, None, tok, gguf_chat_spec(reader, tok, source))
-        model, context, tok, spec = import_gguf(source, vocab_size, **settings)
-        return Checkpoint(model, context, tok, spec)
+        return read_gguf(source, weights, vocab_size, **settings)
     if not source.is_dir():
         raise StagelmError(f"{source}: neither a transformers checkpoint folder nor a .gguf file; check the path")
+    return read_hf_folder(source, weights, vocab_size, **settings)
+
+
+def read_gguf(source: Path, weights: bool, vocab_size: int | None, **settings: Any) -> Checkpoint:
+    if not weights:
+        reader = open_gguf(source)
+        tok = gguf_tokenizer(reader, source)
+        return Checkpoint(None, None, tok, gguf_chat_spec(reader, tok, source))
+    model, context, tok, spec = import_gguf(source, vocab_size, **settings)
+    return Checkpoint(model, context, tok, spec)
+
+
+def read_hf_folder(source: Path, weights: bool, vocab_size: int | None, **settings: Any) -> Checkpoint:
     import_config(source)  # the config, then the tokenizer, the weights and the chat spec: each checked before use
     tokenizer = source / "tokenizer.json"
     if not tokenizer.is_file():

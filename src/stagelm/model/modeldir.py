@@ -33,7 +33,8 @@ from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import atomic_write_bytes, copy_file, read_json_object, sha256_file, write_json
 from stagelm.infra.mesh import param_shardings
 from stagelm.model.decoder import Decoder, DecoderConfig
-from stagelm.pipeline.config import NON_NEGATIVE, POSITIVE, ModelConfig, check_value
+from stagelm.pipeline.config import NON_NEGATIVE, POSITIVE, ModelConfig
+from stagelm.pipeline.params import check_value
 
 PARAMS_FILE = "params.safetensors"
 

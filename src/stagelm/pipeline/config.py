@@ -1,32 +1,20 @@
-"""Typed, frozen views of params.yaml: one dataclass per section.
+"""params.yaml's sections as typed, frozen dataclasses: one per section, each key with its meaning.
 
-Every section of params.yaml maps to a dataclass below. `load_section` checks a raw
-mapping against it and fails on the first unknown key, missing key or wrong value
-with one line naming the dotted key and what was expected, e.g.
-
-    pack.seq_len: expected a positive int, got 'long'
-
-Constraints live next to each field (`metadata={"check": ...}`), so the rules a key
-obeys are read in one place; rules across keys live in the section's `validate(prefix)`,
-which names the keys as the user wrote them. Sections that share keys share a base
-(`ModelShape`, `OptimizerConfig`), so each rule is written once. Stages load only the
-sections they read.
+Every section of params.yaml maps to a dataclass below, and every field carries its
+one-line meaning and the check its value must pass (`param(doc, check)`: docs/params.md
+is written from them). Rules across keys live in the section's `validate(prefix)`, which
+names the keys as the user wrote them. Sections that share keys share a base
+(`ModelShape`, `OptimizerConfig`), so each rule is written once. Reading params.yaml
+and checking it against these is `stagelm.pipeline.params`.
 """
 
 import dataclasses
-import difflib
 import glob
 import itertools
-import math
 import os
 import shlex
-import types
-import typing
 from pathlib import Path
 from typing import Any, ClassVar
-
-from ruamel.yaml import YAML
-from ruamel.yaml.error import YAMLError
 
 from stagelm.infra.errors import StagelmError
 
@@ -217,19 +205,6 @@ class ModelConfig(ModelShape):
     def architecture(self) -> dict[str, Any]:
         """The DecoderConfig fields of this section (everything but init_from)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "init_from"}
-
-
-def init_dir(init_from: str | None) -> Path | None:
-    """The checkpoint of `model.init_from` (a transformers folder or a GGUF file), or None (from scratch)."""
-    if init_from is None:
-        return None
-    scheme, _, rest = init_from.partition(":")
-    path = Path(rest).expanduser()
-    if scheme == "gguf" and not path.is_file():
-        raise StagelmError(f"model.init_from: {path} is not a file; give a llama .gguf file under data.inputs")
-    if scheme == "hf" and not (path / "config.json").is_file():
-        raise StagelmError(f"model.init_from: {path} has no config.json; give a transformers checkpoint folder")
-    return path
 
 
 def require_init_inside_inputs(model: "ModelConfig", data: DataConfig) -> None:
@@ -573,150 +548,3 @@ EXECUTION_KEYS = {
     for section in ("training", "sft", "distill", "grpo")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints")
 }
-
-
-# --- parsing -------------------------------------------------------------------------
-
-
-def read_yaml(path: Path) -> Any:
-    """A YAML file read as DVC reads it: ruamel.yaml's safe loader, YAML 1.2 (so `5e-05` is a
-    float, as `dvc exp run -S` writes it), duplicate keys refused. Nothing in it is executed.
-    The pure-Python parser: ruamel's C one overflows the C stack on deeply nested input,
-    where Python's raises RecursionError (and params.yaml is small)."""
-    try:
-        return YAML(typ="safe", pure=True).load(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise StagelmError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
-    except RecursionError:
-        raise StagelmError(f"{path}: nested too deeply to read; flatten it") from None
-    except YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where else ""
-        problem = str(getattr(err, "problem", "") or "").split("\n")[0]
-        what = f": {problem}" if problem else ""
-        raise StagelmError(f"{path}: not valid YAML{line}{what}; fix the syntax") from None
-
-
-def read_params(path: str | Path) -> dict[str, Any]:
-    """Read params.yaml as a mapping, with DVC's number rules (`read_yaml`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise StagelmError(f"{path}: params file not found; run from the project root or pass --params")
-    params = read_yaml(path)
-    if not isinstance(params, dict):
-        raise StagelmError(f"{path}: expected a mapping of sections at the top level")
-    return params
-
-
-def did_you_mean(name: Any, known: Any) -> str:
-    """` (did you mean 'x'?)` for the closest of `known` to a misspelled `name`, or ""."""
-    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-TOP_LEVEL = ("seed", *SECTIONS)  # every key params.yaml may hold at its top level
-
-
-def validate_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Every key of params.yaml checked (unknown top-level keys too): the seed and each
-    section's dataclass, by name. The `params` stage runs this before any other stage,
-    so a misspelled key fails `dvc repro` even where a stage lists its keys one by one."""
-    for key in params:
-        if key not in TOP_LEVEL:
-            raise StagelmError(
-                f"{key}: unknown top-level key of params.yaml{did_you_mean(key, TOP_LEVEL)}; "
-                f"expected {', '.join(TOP_LEVEL)}"
-            )
-    sections = {"seed": load_seed(params), **{name: load_section(params, name) for name in SECTIONS}}
-    require_init_inside_inputs(sections["model"], sections["data"])
-    return sections
-
-
-def load_section(params: dict[str, Any], name: str) -> Any:
-    """The typed, validated dataclass of section `name` of `params`."""
-    if name not in params:
-        raise StagelmError(f"{name}: section missing from params.yaml; add it (docs/params.md lists every key)")
-    return parse_dataclass(SECTIONS[name], params[name], name)
-
-
-def load_value(params: dict[str, Any], key: str) -> Any:
-    """One validated value, `section.field`, for a stage that reads only that key of a section."""
-    section, name = key.split(".")
-    if section not in params or not isinstance(params[section], dict) or name not in params[section]:
-        raise StagelmError(f"{key}: missing from params.yaml; add it (docs/params.md lists every key)")
-    field = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
-    hint = typing.get_type_hints(SECTIONS[section])[name]
-    return check_value(params[section][name], hint, key, field.metadata.get("check"))
-
-
-def load_seed(params: dict[str, Any]) -> int:
-    if "seed" not in params:
-        raise StagelmError("seed: missing from params.yaml; add e.g. `seed: 0`")
-    return check_value(params["seed"], int, "seed", SEED)
-
-
-def parse_dataclass(cls: type, raw: Any, prefix: str) -> Any:
-    if not isinstance(raw, dict):
-        raise StagelmError(f"{prefix}: expected a mapping, got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in raw:
-        if key not in fields:
-            raise StagelmError(
-                f"{prefix}.{key}: unknown key{did_you_mean(key, fields)}; expected one of {', '.join(fields)}"
-            )
-    values = {}
-    for name, field in fields.items():
-        if name not in raw:
-            raise StagelmError(f"{prefix}.{name}: missing; add it to params.yaml")
-        values[name] = check_value(raw[name], hints[name], f"{prefix}.{name}", field.metadata.get("check"))
-    config = cls(**values)
-    if hasattr(config, "validate"):  # rules across keys, named under `prefix`
-        config.validate(prefix)
-    return config
-
-
-def check_value(value: Any, hint: Any, key: str, check: tuple | None = None) -> Any:
-    """Return `value` converted to `hint`, or raise naming `key` and what was expected."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return check_value(value, hint, key, check)
-    if dataclasses.is_dataclass(hint):
-        return parse_dataclass(hint, value, key)
-    if origin is list:
-        if not isinstance(value, list):
-            raise StagelmError(f"{key}: expected a list, got {value!r}")
-        items = tuple(check_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-        if check is not None and not check[0](items):
-            raise StagelmError(f"{key}: expected {check[1].format(type='list')}, got {value!r}")
-        return items
-    words = {int: "int", float: "float", str: "string", bool: "bool"}[hint]
-    ok = isinstance(value, hint) and not (hint is not bool and isinstance(value, bool))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = (float(value), True) if abs(value) < 2**1023 else (value, False)
-    if ok and hint is float and not math.isfinite(value):  # .inf and .nan pass every comparison check
-        raise StagelmError(f"{key}: expected a finite float, got {value!r}; write a number")
-    if ok and check is not None and not check[0](value):
-        ok = False
-    if not ok:
-        what = check[1].format(type=words) if check else ("an int" if hint is int else f"a {words}")
-        raise StagelmError(f"{key}: expected {what}, got {shown(value)}")
-    return value
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: an error line stays one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def section_dict(config: Any) -> dict[str, Any]:
-    """A dataclass as a plain dict (tuples as lists), for JSON and fingerprints."""
-
-    def plain(v: Any) -> Any:
-        return [plain(x) for x in v] if isinstance(v, tuple) else v
-
-    return {k: plain(v) for k, v in dataclasses.asdict(config).items()}

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from stagelm.infra.errors import StagelmError
-from stagelm.pipeline.config import EXECUTION_KEYS, EXECUTION_SECTIONS, SECTIONS, SEED, SEED_DOC, read_params
+from stagelm.pipeline.config import EXECUTION_KEYS, EXECUTION_SECTIONS, SECTIONS, SEED, SEED_DOC
+from stagelm.pipeline.params import read_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,9 @@ def section_keys(cls: type, prefix: str, values: Any) -> list[Key]:
         name, hint = f"{prefix}.{field.name}", hints[field.name]
         doc = field.metadata.get("doc")
         if not doc:
-            raise StagelmError(f"{name}: no meaning in stagelm.pipeline.config; declare the field with param(doc, check)")
+            raise StagelmError(
+                f"{name}: no meaning in stagelm.pipeline.config; declare the field with param(doc, check)"
+            )
         if field.name not in values:
             raise StagelmError(f"{name}: missing from the params file; add it")
         nested = dataclasses.is_dataclass(hint)

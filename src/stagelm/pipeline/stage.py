@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stagelm.pipeline.config import read_params
+from stagelm.pipeline.params import read_params
 from stagelm.pipeline.provenance import now, write_provenance
 
 

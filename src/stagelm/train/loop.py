@@ -31,7 +31,8 @@ from stagelm.infra.distributed import initialize
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
 from stagelm.infra.mesh import make_mesh, param_shardings, replicated
-from stagelm.pipeline.config import OptimizerConfig, load_section
+from stagelm.pipeline.config import OptimizerConfig
+from stagelm.pipeline.params import load_section
 from stagelm.pipeline.stage import Stage, start
 from stagelm.train.batches import check_batch, evaluate, global_batch
 from stagelm.train.checkpoints import Checkpoints, other_fingerprints

@@ -1,0 +1,185 @@
+"""A llama GGUF file read into stagelm, through the `gguf` package: weights, tokenizer, chat spec.
+
+    stagelm import-gguf SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2     # or model.init_from: gguf:<file>
+
+Import dequantizes every tensor to float32 (`gguf.quants.dequantize`), maps llama.cpp's
+names to transformers' Llama state dict (`gguf_layout`) and builds the model with
+`llama_state.decoder_from_llama_tensors`; it rebuilds tokenizer.json with `tokenizers` and
+the chat spec from the template and the special token ids. Other pre-tokenizers, and
+sentencepiece vocabularies, are refused in one line.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stagelm.infra.errors import StagelmError
+from stagelm.interop.chat_spec import chat_spec
+from stagelm.interop.gguf_layout import (
+    LAYER_NAMES,
+    PRE_TOKENIZERS,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_USER_DEFINED,
+    WHOLE_NAMES,
+    unpermute,
+)
+from stagelm.interop.llama_state import decoder_from_llama_tensors
+from stagelm.model.decoder import Decoder, DecoderConfig
+
+
+def open_gguf(path: Path) -> Any:
+    import gguf
+
+    if not path.is_file():
+        raise StagelmError(f"{path}: no such GGUF file; give the path of a .gguf model")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as err:  # its parser raises ValueError, struct errors and more on a damaged file
+        raise StagelmError(f"{path}: not a readable GGUF file ({str(err)[:100]})") from None
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """Metadata `key` of a GGUF (a string, a number or a list), or `default` when absent."""
+    found = reader.fields.get(key)
+    return default if found is None else found.contents()
+
+
+def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
+    """(DecoderConfig, context length) of a `llama` GGUF's metadata, refusing what stagelm cannot run."""
+    arch = field(reader, "general.architecture")
+    if arch != "llama":
+        raise StagelmError(f"{path}: general.architecture is {arch!r}; stagelm imports 'llama' GGUF models only")
+
+    def number(key: str, default: Any = None) -> Any:
+        value = field(reader, f"llama.{key}", default)
+        if value is None:
+            raise StagelmError(f"{path}: llama.{key} missing; a llama GGUF needs it")
+        return value
+
+    d, heads = int(number("embedding_length")), int(number("attention.head_count"))
+    kv = int(number("attention.head_count_kv", heads))
+    if d % heads or heads % kv or (d // heads) % 2:
+        raise StagelmError(f"{path}: {heads} heads and {kv} kv heads do not fit an embedding of {d}")
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        if field(reader, f"llama.{key}") not in (None, d // heads):
+            raise StagelmError(f"{path}: llama.{key} {field(reader, f'llama.{key}')} is not the head size {d // heads}")
+    scaling = field(reader, "llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise StagelmError(f"{path}: llama.rope.scaling.type {scaling!r}; stagelm's RoPE has no scaling")
+    tokens = field(reader, "tokenizer.ggml.tokens") or []
+    cfg = DecoderConfig(
+        vocab_size=int(number("vocab_size", len(tokens) or None)),
+        d_model=d,
+        n_layers=int(number("block_count")),
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_ff=int(number("feed_forward_length")),
+        rope_theta=float(number("rope.freq_base", 10000.0)),  # llama.cpp's own default when absent
+        norm_eps=float(number("attention.layer_norm_rms_epsilon")),
+        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+    )
+    return cfg, int(number("context_length"))
+
+
+def gguf_tensors(reader: Any, cfg: DecoderConfig, path: Path) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32 under transformers' Llama names, q and k unpermuted."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in reader.tensors:
+        stem, _, kind = t.name.rpartition(".")
+        parts = stem.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
+            name = f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{kind}"
+        elif stem in WHOLE_NAMES:
+            name = f"{WHOLE_NAMES[stem]}.{kind}"
+        else:
+            raise StagelmError(f"{path}: tensor {t.name} has no place in a Llama decoder; not a plain llama GGUF")
+        try:
+            values = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed(t.shape)))
+        except NotImplementedError:
+            raise StagelmError(
+                f"{path}: tensor {t.name} is {t.tensor_type.name}, which gguf cannot dequantize"
+            ) from None
+        if name.endswith("q_proj.weight"):
+            values = unpermute(values, cfg.n_heads)
+        elif name.endswith("k_proj.weight"):
+            values = unpermute(values, cfg.n_kv_heads)
+        out[name] = values
+    return out
+
+
+def gguf_tokenizer(reader: Any, path: Path) -> Any:
+    """The tokenizer a GGUF describes, as a `tokenizers` Tokenizer: byte-level BPE over its tokens
+    and merges, split as llama.cpp splits for its `tokenizer.ggml.pre`, its control tokens special."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    model = field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise StagelmError(
+            f"{path}: tokenizer.ggml.model {model!r}; stagelm rebuilds byte-level BPE ('gpt2') tokenizers only "
+            "(import the model's transformers folder, with its tokenizer.json, instead)"
+        )
+    pre = field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise StagelmError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer stagelm rebuilds ({sorted(PRE_TOKENIZERS)}); "
+            "import the model's transformers folder instead"
+        )
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    types = field(reader, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if PRE_TOKENIZERS[pre] == "digits":
+        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == TOKEN_CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [AddedToken(t, normalized=False) for t, k in zip(tokens, types, strict=True) if k == TOKEN_USER_DEFINED]
+    )
+    return tok
+
+
+def gguf_chat_spec(reader: Any, tok: Any, path: Path) -> dict[str, Any]:
+    """chat.json (stagelm.data.chatformat) of a GGUF's template (None without one) and special token ids."""
+
+    def spelled(key: str) -> str | None:
+        index = field(reader, f"tokenizer.ggml.{key}")
+        return tok.id_to_token(int(index)) if index is not None else None
+
+    eos = spelled("eos_token_id")
+    if eos is None:
+        raise StagelmError(f"{path}: tokenizer.ggml.eos_token_id missing; stagelm needs the token that ends a text")
+    return chat_spec(
+        tok,
+        path,
+        template=field(reader, "tokenizer.chat_template"),
+        eos=eos,
+        bos=spelled("bos_token_id"),
+        pad=spelled("padding_token_id"),
+        unk=spelled("unknown_token_id"),
+        stops=[eos, spelled("eot_token_id"), spelled("eom_token_id")],
+        add_bos=field(reader, "tokenizer.ggml.add_bos_token", False),
+    )
+
+
+def import_gguf(path: str | Path, vocab_size: int | None = None, **settings: Any) -> tuple[Decoder, int, Any, Any]:
+    """(Decoder, context length, tokenizer, chat spec or None) of a llama GGUF file; `vocab_size` and
+    `settings` as `llama_state.decoder_from_llama_tensors` takes them."""
+    path = Path(path)
+    reader = open_gguf(path)
+    cfg, context = gguf_config(reader, path)
+    tok = gguf_tokenizer(reader, path)
+    spec = gguf_chat_spec(reader, tok, path)
+    model = decoder_from_llama_tensors(cfg, gguf_tensors(reader, cfg, path), path, vocab_size, **settings)
+    return model, context, tok, spec

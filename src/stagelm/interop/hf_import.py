@@ -1,0 +1,202 @@
+"""A transformers Llama checkpoint folder, read into stagelm: its config, weights and chat spec.
+
+`import_hf` reads a local transformers Llama checkpoint (safetensors only; nothing runs
+from it) into a stagelm Decoder, refusing what the decoder lacks (biases, rope scaling,
+another activation) with one line naming the field. Both major layouts of config.json
+import: transformers 4's top-level `rope_theta` and transformers 5's `rope_parameters`.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import read_json_object
+from stagelm.interop.chat_spec import chat_spec
+from stagelm.interop.llama_state import decoder_from_llama_tensors
+from stagelm.model.decoder import Decoder, DecoderConfig
+
+# config.json fields stagelm's decoder has one value of: a checkpoint that says otherwise is refused.
+FIXED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "pretraining_tp": 1}
+
+
+# RoPE as stagelm computes it: theta^(-2i/d) on the whole head, positions as they are. transformers
+# 4 spells it `rope_theta` and `rope_scaling: null`; transformers 5 `rope_parameters: {rope_type:
+# "default", rope_theta}`. Every other rope type (linear, dynamic, yarn, longrope, llama3) scales
+# positions or frequencies stagelm does not, so it is refused.
+ROPE_KEYS = {"rope_type", "rope_theta", "type", "partial_rotary_factor"}
+
+
+# The integer fields import reads, with the largest value accepted: far above any released
+# Llama, and low enough that a wrong value fails here instead of in a huge allocation.
+HF_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "intermediate_size": 1 << 20,
+    "max_position_embeddings": 1 << 20,
+    "head_dim": 1 << 12,
+}
+
+
+def hf_int(c: dict[str, Any], field: str, path: Path, default: int | None = None) -> int:
+    value = c.get(field, default)
+    if value is None:
+        raise StagelmError(f"{path}: {field} missing; a Llama config.json needs it")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= HF_LIMITS[field]:
+        raise StagelmError(f"{path}: {field} = {value!r}; expected an integer in [1, {HF_LIMITS[field]:,}]")
+    return value
+
+
+def hf_float(c: dict[str, Any], field: str, path: Path, default: float | None = None) -> float:
+    value = c.get(field, default)
+    if value is None:
+        raise StagelmError(f"{path}: {field} missing; a Llama config.json needs it")
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise StagelmError(f"{path}: {field} = {value!r}; expected a positive number")
+    return float(value)
+
+
+def rope_theta(c: dict[str, Any], path: Path) -> float:
+    """The RoPE base of a config.json in either layout, refusing any scaling stagelm does not compute.
+    A field the checkpoint has is never replaced by a default: only a config with neither
+    `rope_theta` nor `rope_parameters` gets Llama's 10,000, as transformers gives it."""
+    params = c.get("rope_parameters")
+    scaling = c.get("rope_scaling")
+    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise StagelmError(f"{path}: {name} = {block!r}; expected an object or null")
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind != "default":
+            raise StagelmError(
+                f"{path}: {name} has rope_type {kind!r}; stagelm's RoPE has no scaling (only 'default' imports)"
+            )
+        extra = sorted(set(block) - ROPE_KEYS)
+        if extra:
+            raise StagelmError(f"{path}: {name} sets {extra}, which stagelm's RoPE does not implement")
+        if block.get("partial_rotary_factor", 1.0) != 1.0:
+            raise StagelmError(f"{path}: {name}.partial_rotary_factor {block['partial_rotary_factor']!r} is not 1.0")
+    found = {
+        "rope_theta": c.get("rope_theta"),
+        "rope_parameters.rope_theta": params.get("rope_theta") if isinstance(params, dict) else None,
+        "rope_scaling.rope_theta": scaling.get("rope_theta") if isinstance(scaling, dict) else None,
+    }
+    given = {k: v for k, v in found.items() if v is not None}
+    if len(set(given.values())) > 1:
+        raise StagelmError(f"{path}: RoPE bases disagree ({given}); keep one")
+    key = next(iter(given), "rope_theta")
+    return hf_float({key: given.get(key, 10000.0)}, key, path)
+
+
+def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
+    """(stagelm DecoderConfig, context length) of a transformers Llama config.json in transformers 4's
+    or 5's layout, or one line why not: every field used is type- and range-checked (HF_LIMITS)
+    before anything is allocated, and a field stagelm cannot represent is refused, never dropped."""
+    path = hf_dir / "config.json"
+    c = read_json_object(path, "hf:<dir> must be a local transformers checkpoint directory")
+    if c.get("model_type") != "llama":
+        raise StagelmError(f"{path}: model_type {c.get('model_type')!r}; stagelm imports 'llama' checkpoints only")
+    for field, value in FIXED.items():
+        if c.get(field, value) != value:
+            raise StagelmError(f"{path}: {field} = {c[field]!r} is not supported (stagelm's decoder has {value!r})")
+    d, h = hf_int(c, "hidden_size", path), hf_int(c, "num_attention_heads", path)
+    k = hf_int(c, "num_key_value_heads", path, default=h)
+    if d % h:
+        raise StagelmError(f"{path}: num_attention_heads {h} does not divide hidden_size {d}")
+    if h % k:
+        raise StagelmError(f"{path}: num_key_value_heads {k} does not divide num_attention_heads {h}")
+    if (d // h) % 2:
+        raise StagelmError(f"{path}: hidden_size / num_attention_heads = {d // h} must be even for RoPE")
+    if c.get("head_dim") is not None and hf_int(c, "head_dim", path) != d // h:
+        raise StagelmError(f"{path}: head_dim {c['head_dim']!r} differs from hidden_size / num_attention_heads")
+    cfg = DecoderConfig(
+        vocab_size=hf_int(c, "vocab_size", path),
+        d_model=d,
+        n_layers=hf_int(c, "num_hidden_layers", path),
+        n_heads=h,
+        n_kv_heads=k,
+        d_ff=hf_int(c, "intermediate_size", path),
+        rope_theta=rope_theta(c, path),
+        norm_eps=hf_float(c, "rms_norm_eps", path, 1e-6),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        init_std=hf_float(c, "initializer_range", path, 0.02),
+    )
+    return cfg, hf_int(c, "max_position_embeddings", path, default=2048)
+
+
+def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a transformers checkpoint's safetensors files (never a pickled .bin)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise StagelmError(f"{file}: not a readable safetensors file ({str(err)[:80]})") from None
+    return tensors
+
+
+def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any) -> tuple[Decoder, int]:
+    """(stagelm Decoder, context length) of a local transformers Llama checkpoint (model.safetensors);
+    `vocab_size` and `settings` as `decoder_from_llama_tensors` takes them."""
+    hf_dir = Path(hf_dir)
+    cfg, context = import_config(hf_dir)
+    return decoder_from_llama_tensors(cfg, read_safetensors(hf_dir), hf_dir, vocab_size, **settings), context
+
+
+def hf_token(value: Any) -> str | None:
+    """A special token's spelling as tokenizer_config.json writes it: a string, or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
+    """chat.json of a transformers checkpoint (stagelm.data.chatformat), from its tokenizer_config.json (or
+    chat_template.jinja) and generation_config.json and config.json ids; its template is None when
+    it has none (a base model: text only). Every token named must be in `tok`, its own tokenizer."""
+    config_path = hf_dir / "tokenizer_config.json"
+    config = read_json_object(config_path, "the checkpoint's tokenizer_config.json") if config_path.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if (hf_dir / "chat_template.jinja").is_file():  # transformers 4.43+ saves it apart
+        template = (hf_dir / "chat_template.jinja").read_text()
+    generation = hf_dir / "generation_config.json"
+    gen = read_json_object(generation, "fix or remove it") if generation.is_file() else {}
+    model = read_json_object(hf_dir / "config.json", "a transformers checkpoint's config.json")
+
+    def spelled(key: str) -> str | None:
+        token = hf_token(config.get(f"{key}_token"))
+        if token is None:
+            ids = gen.get(f"{key}_token_id", model.get(f"{key}_token_id"))
+            ids = ids if isinstance(ids, list) else [ids]
+            token = tok.id_to_token(ids[0]) if ids and isinstance(ids[0], int) else None
+        return token
+
+    eos = spelled("eos")
+    if eos is None:
+        raise StagelmError(f"{config_path}: no eos_token (nor an eos_token_id in generation_config.json); add one")
+    ends = gen.get("eos_token_id", model.get("eos_token_id"))
+    stops = [tok.id_to_token(i) for i in (ends if isinstance(ends, list) else [ends]) if isinstance(i, int)]
+    return chat_spec(
+        tok,
+        config_path,
+        template=template,
+        eos=eos,
+        bos=spelled("bos"),
+        pad=spelled("pad"),
+        unk=spelled("unk"),
+        stops=stops,
+        add_bos=config.get("add_bos_token", False),
+    )
