@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, make_project, micro_params, run, write_params
 
-from stagelm.data import download
+from stagelm.data import corpus_files, download, hub
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import read_json
 from stagelm.pipeline.params import load_section
@@ -79,7 +79,7 @@ def test_text_paragraphs_across_read_chunks(tmp_path, monkeypatch):
     path = tmp_path / "crlf.txt"
     path.write_bytes(("\r\n\r\n".join(texts) + "\r\n\r\n\r\n").encode())
     whole = collect(data_cfg(source=f"files:{path}"), tmp_path / "a")
-    monkeypatch.setattr(download, "READ_CHUNK", 3)
+    monkeypatch.setattr(corpus_files, "READ_CHUNK", 3)
     assert collect(data_cfg(source=f"files:{path}"), tmp_path / "b") == whole
     assert sorted(whole[0] + whole[1]) == sorted(t.replace("\r\n", "\n") for t in texts)
 
@@ -190,13 +190,13 @@ def test_corrupt_or_vanishing_file_keeps_the_old_download(tmp_path, monkeypatch)
         collect(data_cfg(source=f"files:{corpus}"), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
-    real = download.read_json_rows
+    real = corpus_files.read_json_rows
 
     def read_then_lose_the_next(path, field):  # the second file disappears while the first is read
         yield from real(path, field)
         second.unlink(missing_ok=True)
 
-    monkeypatch.setattr(download, "read_json_rows", read_then_lose_the_next)
+    monkeypatch.setattr(corpus_files, "read_json_rows", read_then_lose_the_next)
     with pytest.raises(StagelmError, match=rf"^{second}: vanished while the corpus was being read"):
         collect(data_cfg(source=f"files:{corpus}"), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -215,7 +215,7 @@ def test_unreachable_hub_fails_fast(monkeypatch, tmp_path):
 
 def test_hub_probe_really_times_out_here():
     t0 = time.perf_counter()
-    download.hub_reachable(timeout=2.0)
+    hub.hub_reachable(timeout=2.0)
     assert time.perf_counter() - t0 < 4
 
 

@@ -1,0 +1,125 @@
+"""The download stage's task sets (sft, rl, eval): the synthetic families' or the user's jsonl files.
+
+A task file's rows are checked against the set's schema (sft: `family`, `messages`; rl and
+eval: `family`, `prompt`, `chat_prompt` and a `spec` the family's checker can read), and a
+bad row is one line naming the file, line and field.
+"""
+
+import json
+from typing import Any
+
+from stagelm.data.corpus_files import match_files, open_stream, require_text
+from stagelm.infra.errors import StagelmError
+from stagelm.pipeline.config import DataConfig
+from stagelm.tasks import FAMILIES, Task, spec_problem
+
+
+def task_sets(cfg: DataConfig, generated: dict[str, list]) -> tuple[dict[str, list], dict[str, str]]:
+    """{"sft", "rl", "eval"} rows, and where each came from (files when set, else synthetic)."""
+    sets = {
+        "sft": generated["sft"],
+        "rl": [task_row(t) for t in generated["rl"]],
+        "eval": [task_row(t) for t in generated["eval"]],
+    }
+    origin = {name: f"synthetic(seed={cfg.seed})" for name in sets}
+    for name, path in (("sft", cfg.sft_files), ("rl", cfg.rl_files), ("eval", cfg.eval_files)):
+        if path:
+            sets[name] = read_task_file(path, name)
+            origin[name] = f"files:{path}"
+    return sets, origin
+
+
+def task_row(task: Task) -> dict[str, Any]:
+    return {
+        "family": task.family,
+        "prompt": task.prompt,
+        "chat_prompt": task.chat_prompt,
+        "answer": task.answer,
+        "chat_answer": task.chat_answer,
+        "spec": json.dumps(task.spec),
+    }
+
+
+def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
+    """The rows of the jsonl task files `path` names, each checked against the schema of
+    task set `name` (sft: `family`, `messages`; rl and eval: `family`, `prompt`,
+    `chat_prompt` and a `spec` the family's checker can read), or one line naming the
+    file, line and field. Rows keep only the schema's fields, so Arrow sees one type per column."""
+    rows = []
+    key = f"data.{name}_files"
+    for file in match_files(path, key):
+        for i, line in enumerate(open_stream(file), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict):
+                raise StagelmError(f"{file}:{i}: not a JSON object; {key} must be jsonl, one task per line")
+            require_text(json.dumps(row, ensure_ascii=False), f"{file}:{i}")
+            try:
+                rows.append(sft_row(row) if name == "sft" else task_file_row(row))
+            except ValueError as err:
+                raise StagelmError(f"{file}:{i}: {err}; fix the row or {key}") from None
+    if not rows:
+        raise StagelmError(f"{key}: {path!r} holds no rows")
+    return rows
+
+
+def text_field(row: dict[str, Any], field: str, required: bool = True) -> str:
+    if field not in row and not required:
+        return ""
+    if field not in row:
+        raise ValueError(f"{field}: missing")
+    value = row[field]
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise ValueError(f"{field}: expected a non-empty string, got {value!r}"[:200])
+    return value
+
+
+def sft_row(row: dict[str, Any]) -> dict[str, Any]:
+    """{family, messages: [{role, content}]}: user and assistant turns, at least one of them trained."""
+    family = text_field(row, "family")
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages: expected a non-empty list of {{role, content}} objects, got {messages!r}"[:200])
+    turns = []
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{j}]: expected a {{role, content}} object, got {message!r}"[:200])
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise ValueError(f"messages[{j}].role: expected 'user' or 'assistant', got {role!r}")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{j}].content: expected a string, got {content!r}"[:200])
+        turns.append({"role": role, "content": content})
+    if not any(t["role"] == "assistant" for t in turns):
+        raise ValueError("messages: no assistant turn, so nothing to learn from")
+    return {"family": family, "messages": turns}
+
+
+def task_file_row(row: dict[str, Any]) -> dict[str, Any]:
+    """An rl or eval task: a registered family, both prompts, and a spec its checker can read."""
+    family = text_field(row, "family")
+    if family not in FAMILIES:
+        raise ValueError(f"family: unknown {family!r}; expected one of {list(FAMILIES)}")
+    problem = spec_problem(family, row.get("spec")) if "spec" in row else "spec: missing"
+    if problem:
+        raise ValueError(problem)
+    return {
+        "family": family,
+        "prompt": text_field(row, "prompt"),
+        "chat_prompt": text_field(row, "chat_prompt"),
+        "answer": text_field(row, "answer", required=False),
+        "chat_answer": text_field(row, "chat_answer", required=False),
+        "spec": json.dumps(row["spec"]),
+    }
+
+
+def count_families(rows: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["family"]] = counts.get(row["family"], 0) + 1
+    return counts
