@@ -11,8 +11,7 @@ bytes never change, so a valid edit reruns this stage and only what reads the ed
 
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import write_json
-from stagelm.pipeline.config import require_inputs
-from stagelm.pipeline.params import validate_params
+from stagelm.pipeline.params import require_inputs, validate_params
 from stagelm.pipeline.stage import start
 from stagelm.tasks import require_family_sets
 

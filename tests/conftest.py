@@ -18,7 +18,7 @@ import tempfile
 
 # XLA:CPU's backend at optimisation level 0, in this process and every one a test starts:
 # the suite's programs are micro-sized and compiled by the thousand, so LLVM's passes cost
-# far more than they save (tests/test_model.py and test_train.py: 30 s -> 17 s). Every process
+# far more than they save (tests/model/test_decoder.py and test_train.py: 30 s -> 17 s). Every process
 # compiles alike, so comparisons between them still hold; `dvc repro` keeps XLA's defaults.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the session makes it

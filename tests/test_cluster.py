@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import slurm
 from conftest import BIN, ROOT, env_with_venv, free_port, make_project, micro_params, run, tree_bytes, write_params
-from test_distributed import assert_trained_alike
+from pretrain_runs import assert_trained_alike
 
 from stagelm.infra.files import read_json
 from stagelm.train.checkpoints import HASHES

@@ -260,64 +260,6 @@ def pack_corpus(chat: ChatFormat, batches: Iterable[list[str]], writer: ShardWri
     return packer.close()
 
 
-def spill_corpus(chat: ChatFormat, batches: Iterable[list[str]], folder: Path, name: str, dtype: np.dtype) -> None:
-    """Encode (a share of) a corpus split streamed as batches of texts, appending its tokens
-    (each document followed by EOS) to `folder/name.tokens` and each document's end (the
-    offset one past its EOS) to `folder/name.ends`: raw arrays, read back by `Spilled`."""
-    start = chat.bos if chat.add_bos else None
-    end = 0
-    with naming(folder), open(folder / f"{name}.tokens", "wb") as tokens, open(folder / f"{name}.ends", "wb") as ends:
-        for texts in batches:
-            joined, lengths = encode_joined(chat.tok, texts, chat.eos, start)
-            joined.astype(dtype).tofile(tokens)
-            (end + np.cumsum(lengths)).astype(np.int64).tofile(ends)
-            end += int(lengths.sum())
-
-
-class Spilled:
-    """The token stream of a corpus split that `count` processes spilled in contiguous shares
-    (`spill_corpus`, files `<prefix>PPP.tokens`/`.ends`), read as one stream in process order."""
-
-    def __init__(self, folder: Path, prefix: str, count: int, dtype: np.dtype):
-        def read(path: Path, kind: Any) -> np.ndarray:  # np.memmap cannot map an empty file
-            return np.memmap(path, kind, "r") if path.stat().st_size else np.zeros(0, kind)
-
-        self.tokens = [read(folder / f"{prefix}{p:03d}.tokens", dtype) for p in range(count)]
-        self.ends = [read(folder / f"{prefix}{p:03d}.ends", np.int64) for p in range(count)]
-        self.offsets = np.cumsum([0] + [len(t) for t in self.tokens])  # where each share starts in the stream
-        self.first_docs = np.cumsum([0] + [len(e) for e in self.ends])
-        self.total = int(self.offsets[-1])
-
-    def rows(self, start: int, stop: int, row_len: int) -> dict[str, np.ndarray]:
-        """Rows `start` to `stop` of concatenate-and-chunk over the whole stream (`pack_stream`'s
-        rows): the last row of the stream is padded."""
-        a, b = start * row_len, min(stop * row_len, self.total)
-        tokens, docs = [], []
-        for p, (t, e) in enumerate(zip(self.tokens, self.ends, strict=True)):
-            lo, hi = max(a, self.offsets[p]) - self.offsets[p], min(b, self.offsets[p + 1]) - self.offsets[p]
-            if lo < hi:
-                tokens.append(np.asarray(t[lo:hi], np.int32))
-                docs.append(self.first_docs[p] + np.searchsorted(e, np.arange(lo, hi), side="right"))
-        padded = (stop - start) * row_len - (b - a)
-        tokens.append(np.zeros(padded, np.int32))
-        docs.append(np.full(padded, -1))
-        segment_ids, positions = segment_layout(np.concatenate(docs).reshape(-1, row_len))
-        rows = np.concatenate(tokens).reshape(-1, row_len)
-        return {"tokens": rows, "segment_ids": segment_ids, "positions": positions}
-
-
-def write_spilled(spilled: Spilled, writer: ShardWriter, index: int, count: int) -> dict[str, Any]:
-    """Write shards number index, index + count, ... of the spilled stream (cut as one process
-    cuts it: `rows_per_shard` rows each) with `writer`; return its part of the split. The
-    documents are counted by the process whose share holds them."""
-    rows = -(-spilled.total // writer.row_len)
-    per = writer.rows_per_shard
-    for number in range(index, -(-rows // per), count):
-        start, stop = number * per, min((number + 1) * per, rows)
-        writer.put(spilled.rows(start, stop, writer.row_len), number)
-    return {**writer.close(), "documents": len(spilled.ends[index])}
-
-
 def pack_chats(chat: ChatFormat, conversations: list[list[dict]], row_len: int) -> tuple[dict[str, np.ndarray], int]:
     """(packed columns with loss_mask, conversation count) of chat conversations in the tokenizer's
     chat format (stagelm's, or a checkpoint's template), next-fit."""

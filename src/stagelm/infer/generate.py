@@ -343,3 +343,17 @@ def load_generator(model_dir: str | Path, capacity: int | None = None) -> Genera
     tokenizer = load_tokenizer(Path(model_dir) / "tokenizer.json")
     chat = load_chat_format(tokenizer, model_dir)
     return Generator(model, tokenizer, capacity or read_model_context(model_dir), chat)
+
+
+def stream_text(gen: Generator, tokens: Iterator[int]) -> Iterator[str]:
+    """The text of a token stream as it grows, in pieces that never split a UTF-8 character
+    (`stagelm generate` prints them as they come); the last piece flushes whatever is left."""
+    out: list[int] = []
+    shown = ""
+    for token in tokens:
+        out.append(token)
+        text = gen.tokenizer.decode(out, skip_special_tokens=False)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            yield text[len(shown) :]
+            shown = text
+    yield gen.tokenizer.decode(out, skip_special_tokens=False)[len(shown) :]

@@ -7,12 +7,12 @@ Models use random weights and random tokens of the `benchmark` section's shape, 
 the figures depend on the code, the params and the machine, never on a trained model.
 """
 
+import importlib.util
+import json
 import os
 import platform
 import resource
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,30 +23,16 @@ from flax import nnx
 
 from stagelm.data.loader import PackedRows, batch_iterator
 from stagelm.infer.generate import Generator
+from stagelm.infra.devices import peak_flops
+from stagelm.infra.memory import require_memory
+from stagelm.measure.timing import summary, timed
 from stagelm.model.decoder import Decoder, DecoderConfig, flops_per_token
+from stagelm.model.footprint import benchmark_bytes
 from stagelm.pipeline.config import BenchmarkConfig, TrainingConfig
+from stagelm.pipeline.provenance import git_state
 from stagelm.train.step import init_state, make_optimizer, make_train_step
 
 SCHEMA_VERSION = 1
-
-
-def timed(fn: Callable[[], Any], warmup: int, reps: int) -> list[float]:
-    """Seconds of each of `reps` calls of `fn` (which must block until its work is done), after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return samples
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    out = {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
-    if len(values) >= 20:
-        out["p99"] = float(np.percentile(values, 99))
-    return out
 
 
 def matmul_flops(n: int, dtype: str, warmup: int, reps: int) -> list[float]:
@@ -176,3 +162,124 @@ def mfu(tokens_per_sec: float, cfg: DecoderConfig, seq_len: int, peak: float | N
 def decoder_config(section: BenchmarkConfig) -> DecoderConfig:
     """The benchmark section's decoder: its shape, vocabulary and compute dtype; float32 weights."""
     return DecoderConfig(vocab_size=section.vocab_size, **section.shape(), dtype=section.dtype, param_dtype="float32")
+
+
+LOADER_BATCHES = 20  # batches drawn per timed loader call
+
+
+def require_benchmark_memory(cfg: BenchmarkConfig) -> None:
+    """Every size of the section checked before anything is allocated, one line naming its key."""
+    for key, need in benchmark_bytes(cfg).items():
+        require_memory(need, key, f"the benchmark's {key.split('.')[1]} measure")
+
+
+def measure_all(cfg: BenchmarkConfig, rows: PackedRows) -> tuple[dict[str, list[float]], float]:
+    """(raw samples of every measure under its stable key, the train step's first call in seconds):
+    the matmul, the train step, cached and naive decoding at batch 1 and 8, the loader, and the
+    PyTorch peer's train step and decoding when torch is importable."""
+    model, warm, reps = decoder_config(cfg), cfg.warmup, cfg.repetitions
+    tokens_per_step = cfg.seq_len * cfg.batch_size
+    samples = {"matmul.flops_per_sec": matmul_flops(cfg.matmul_size, cfg.dtype, warm, reps)}
+    train = bench_train(model, cfg.seq_len, cfg.batch_size, warm, reps)
+    samples["train.step_seconds"] = train["step_seconds"]
+    samples["train.tokens_per_sec"] = [tokens_per_step / s for s in train["step_seconds"]]
+    for batch in (1, 8):
+        decode = bench_decode(model, batch, cfg.prompt_len, cfg.new_tokens, warm, reps, cfg.naive_repetitions)
+        for kind in ("cached", "naive"):
+            samples[f"decode.{kind}_b{batch}.tokens_per_sec"] = [
+                batch * cfg.new_tokens / s for s in decode[f"{kind}_seconds"]
+            ]
+        samples[f"decode.cached_b{batch}.prefill_seconds"] = decode["prefill_seconds"]
+    loader = bench_loader(rows, cfg.batch_size, warm, reps, LOADER_BATCHES)
+    row_tokens = rows.manifest["row_len"] - 1
+    samples["loader.batches_per_sec"] = [LOADER_BATCHES / s for s in loader]
+    samples["loader.tokens_per_sec"] = [LOADER_BATCHES * cfg.batch_size * row_tokens / s for s in loader]
+    if importlib.util.find_spec("torch") is not None:  # the PyTorch peer, side by side, when installed
+        from stagelm.measure.torch_peer import run_peer
+
+        peer = run_peer(cfg, warm, reps)
+        samples["torch.train.tokens_per_sec"] = [tokens_per_step / s for s in peer["train_step_seconds"]]
+        for b in (1, 8):
+            samples[f"torch.decode.cached_b{b}.tokens_per_sec"] = [
+                b * cfg.new_tokens / s for s in peer[f"cached_b{b}_seconds"]
+            ]
+    return samples, train["first_call_seconds"]
+
+
+def benchmark_metrics(cfg: BenchmarkConfig, samples: dict[str, list[float]], first_call: float) -> dict[str, Any]:
+    """metrics.json of the benchmark stage: medians under stable keys (schema SCHEMA_VERSION),
+    MFU against the matmul and the device's peak, the PyTorch ratios when the peer ran, and the
+    summaries, memory and environment beside them."""
+    stats = {name: summary(values) for name, values in samples.items()}
+    med = {name: s["median"] for name, s in stats.items()}
+    train_tps, peak, model = med["train.tokens_per_sec"], med["matmul.flops_per_sec"], decoder_config(cfg)
+    decode = {
+        f"{k}_b{b}": {"tokens_per_sec": med[f"decode.{k}_b{b}.tokens_per_sec"]}
+        for k in ("cached", "naive")
+        for b in (1, 8)
+    }
+    for b in (1, 8):
+        decode[f"cached_b{b}"]["prefill_seconds"] = med[f"decode.cached_b{b}.prefill_seconds"]
+        decode[f"speedup_b{b}"] = med[f"decode.cached_b{b}.tokens_per_sec"] / med[f"decode.naive_b{b}.tokens_per_sec"]
+    metrics = {
+        "schema_version": SCHEMA_VERSION,
+        "train": {
+            "tokens_per_sec": train_tps,
+            "step_seconds": med["train.step_seconds"],
+            "first_call_seconds": first_call,
+            "mfu": mfu(train_tps, model, cfg.seq_len, peak),
+            "mfu_vs_device_peak": mfu(train_tps, model, cfg.seq_len, peak_flops(cfg.dtype)),
+        },
+        "matmul": {"flops_per_sec": peak, "size": cfg.matmul_size},
+        "decode": decode,
+        "loader": {
+            "batches_per_sec": med["loader.batches_per_sec"],
+            "tokens_per_sec": med["loader.tokens_per_sec"],
+            "margin_over_train": med["loader.tokens_per_sec"] / train_tps,
+        },
+        "memory": memory(),
+        "summaries": stats,
+        "environment": environment(),
+        "commit": git_state().get("commit"),
+    }
+    if "torch.train.tokens_per_sec" in med:
+        metrics["torch"] = peer_metrics(med)
+    return metrics
+
+
+def peer_metrics(med: dict[str, float]) -> dict[str, Any]:
+    """The PyTorch peer's medians, and ours over its (above 1: stagelm is faster)."""
+    torch_train = med["torch.train.tokens_per_sec"]
+    decode = {
+        b: med[f"decode.cached_b{b}.tokens_per_sec"] / med[f"torch.decode.cached_b{b}.tokens_per_sec"] for b in (1, 8)
+    }
+    return {
+        "train": {"tokens_per_sec": torch_train},
+        "decode": {f"cached_b{b}": {"tokens_per_sec": med[f"torch.decode.cached_b{b}.tokens_per_sec"]} for b in (1, 8)},
+        "ratio": {"train": med["train.tokens_per_sec"] / torch_train, **{f"decode_b{b}": r for b, r in decode.items()}},
+    }
+
+
+def samples_jsonl(samples: dict[str, list[float]]) -> bytes:
+    """Every raw sample as one JSON line: {"measure", "rep", "value"}."""
+    lines = [json.dumps({"measure": k, "rep": i, "value": v}) for k, vs in samples.items() for i, v in enumerate(vs)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def benchmark_lines(metrics: dict[str, Any]) -> list[str]:
+    """What the stage prints: train and decode speed, MFU, the loader, and the peer's ratios."""
+    d, t = metrics["decode"], metrics["train"]
+    lines = [
+        f"benchmark: train {t['tokens_per_sec']:,.0f} tok/s (first call {t['first_call_seconds']:.1f} s, "
+        f"MFU {t['mfu']:.0%} of a {metrics['matmul']['flops_per_sec'] / 1e9:,.0f} GFLOP/s matmul); decode cached b1 "
+        f"{d['cached_b1']['tokens_per_sec']:,.0f} / b8 {d['cached_b8']['tokens_per_sec']:,.0f} tok/s "
+        f"({d['speedup_b1']:.1f}× / {d['speedup_b8']:.1f}× naive); "
+        f"loader {metrics['loader']['tokens_per_sec']:,.0f} tok/s"
+    ]
+    if "torch" not in metrics:
+        return [*lines, "benchmark: torch is not installed; the PyTorch peer was skipped"]
+    r = metrics["torch"]["ratio"]
+    return [
+        *lines,
+        f"benchmark: against PyTorch {r['train']:.2f}× train, {r['decode_b1']:.2f}× / {r['decode_b8']:.2f}× decode",
+    ]

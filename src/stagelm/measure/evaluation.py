@@ -20,7 +20,10 @@ from tokenizers import Tokenizer
 
 from stagelm.data.chatformat import ChatFormat
 from stagelm.data.loader import PackedRows
-from stagelm.infer.generate import Generator, Sampling
+from stagelm.infer.generate import BUCKET, Generator, Sampling
+from stagelm.infra.memory import require_memory
+from stagelm.model.footprint import generation_bytes
+from stagelm.pipeline.config import EvalConfig
 from stagelm.tasks import check_answer
 from stagelm.train.batches import sum_over_split
 from stagelm.train.step import lm_loss, next_token_targets
@@ -148,4 +151,45 @@ def task_metrics(records: list[dict], rule: str) -> dict[str, Any]:
     out: dict[str, Any] = {fmt: family_accuracy([r for r in records if r["format"] == fmt]) for fmt in FORMATS}
     chosen = max(FORMATS, key=lambda f: out[f]["accuracy"]) if rule == "best" else "chat"
     out.update(accuracy=out[chosen]["accuracy"], accuracy_se=out[chosen]["accuracy_se"], accuracy_format=chosen)
+    return out
+
+
+# Host memory per generated token of a kept answer: its text (up to 4 characters a token),
+# the JSON line written from it, and the ids of its batch while they are decoded.
+ANSWER_BYTES_PER_TOKEN = 16
+
+
+def generation_capacity(chat: ChatFormat, tasks: list[dict], context: int, max_new: int) -> tuple[int, int]:
+    """(KV-cache positions the eval prompts need with `max_new` answer tokens, at least the trained
+    context; the longest prompt in either format, in tokens)."""
+    longest = max(len(p) for fmt in FORMATS for p in task_prompts(chat, tasks, fmt))
+    return max(context, longest + max_new), longest
+
+
+def require_eval_memory(model_cfg: Any, cfg: EvalConfig, tasks: list[dict], longest: int) -> None:
+    """Refuse, naming eval.max_new_tokens, answers the memory cannot hold: the decode loop of one
+    batch, and the answers' text the stage keeps for its predictions (every prompt in both
+    formats, sampled once and pass_k times, up to max_new_tokens each)."""
+    width = -(-longest // BUCKET) * BUCKET
+    answers = len(tasks) * (3 + cfg.pass_k)
+    need = generation_bytes(model_cfg, cfg.task_batch_size, width, cfg.max_new_tokens)
+    need += answers * cfg.max_new_tokens * ANSWER_BYTES_PER_TOKEN
+    what = f"generating {answers:,} answers of up to eval.max_new_tokens {cfg.max_new_tokens} tokens"
+    require_memory(need, "eval.max_new_tokens", what, fix="lower it or eval.task_batch_size")
+
+
+def sampled_metrics(gen: Generator, tasks: list[dict], cfg: EvalConfig) -> dict[str, Any]:
+    """The sampled chat answers' metrics: `chat_sampled` (one answer per prompt at
+    eval.sample_temperature, what GRPO's rollouts see) and `chat_pass_k` (k answers per prompt:
+    what sampling more often can reach); none when sample_temperature is 0."""
+    out: dict[str, Any] = {}
+    if cfg.sample_temperature > 0:
+        sampled = answer_tasks(gen, tasks, "chat", cfg.task_batch_size, cfg.max_new_tokens, cfg.sample_temperature)
+        out["chat_sampled"] = {"temperature": cfg.sample_temperature, **family_accuracy(sampled)}
+    if cfg.pass_k:
+        chosen = limit_per_family(tasks, cfg.pass_k_prompts)
+        repeated = [t for t in chosen for _ in range(cfg.pass_k)]
+        samples = answer_tasks(gen, repeated, "chat", cfg.task_batch_size, cfg.max_new_tokens, cfg.sample_temperature)
+        passes = pass_k_metrics(samples, cfg.pass_k)
+        out["chat_pass_k"] = {"k": cfg.pass_k, "temperature": cfg.sample_temperature, **passes}
     return out

@@ -240,67 +240,81 @@ def stage_sentences(models: list[dict]) -> list[str]:
     by_name = {m["name"]: m for m in models}
     out = []
     for m in models:
-        e, parent = m["eval"], parent_of(m, list(by_name))
-        families = sorted(k for k, v in e["chat"].items() if isinstance(v, dict))
+        parent = parent_of(m, list(by_name))
         if parent is None:
-            accs = ", ".join(f"{f} {e['completion'][f]['accuracy']:.3f}" for f in families)
-            out.append(
-                f"- **{m['name']}** trained {m['params_count']:,} parameters from random weights on "
-                f"{m['train']['tokens_seen']:,} tokens to a val loss of {e['val_loss']:.3f} nats/token; "
-                f"asked in the completion format it answers {accs}."
-            )
-            continue
-        source = by_name[parent[1]]["eval"]
-        if parent[0] == "teacher":
-            teacher = by_name[parent[1]]
-            share = m["params_count"] / teacher["params_count"]
-            accs = ", ".join(
-                f"{f} {e['chat'][f]['accuracy']:.3f} (teacher {source['chat'][f]['accuracy']:.3f})" for f in families
-            )
-            pruned = m["provenance"].get("params", {}).get("distill", {}).get("init") == "teacher"
-            how = "cut from its teacher" if pruned else "from random weights,"
-            if m["provenance"].get("control"):
-                out.append(
-                    f"- **{m['name']}** trained the same {m['params_count']:,}-parameter student ({how.rstrip(',')}, "
-                    f"the same data, steps and seed) with the teacher's terms off, on its own next-token loss: "
-                    f"the control distillation is measured against; val loss {e['val_loss']:.3f}."
-                )
-                continue
-            sentence = (
-                f"- **{m['name']}** trained a {m['params_count']:,}-parameter student ({share:.0%} of its teacher "
-                f"{parent[1]}; {how} then distilled) to a val loss of {e['val_loss']:.3f} "
-                f"(teacher {source['val_loss']:.3f}); chat: {accs}"
-            )
-            control = control_of(m, models)
-            if control:
-                c = control["eval"]
-                sentence += (
-                    f". Against its control {control['name']} (val loss {c['val_loss']:.3f}): greedy "
-                    + ", ".join(change(c["chat"], e["chat"], f) for f in families)
-                )
-                if "chat_sampled" in e and "chat_sampled" in c:
-                    sentence += "; sampled " + ", ".join(
-                        change(c["chat_sampled"], e["chat_sampled"], f) for f in families
-                    )
-            out.append(sentence + ".")
-            continue
-        rewarded = m["provenance"].get("params", {}).get(m["provenance"].get("stage"), {}).get("families")
-        reward = f", rewarding {', '.join(rewarded)}" if rewarded else ""
-        cost = e["val_loss"] - source["val_loss"]
-        sentence = (
-            f"- **{m['name']}** (from {parent[1]}{reward}) moved chat accuracy "
-            + ", ".join(change(source["chat"], e["chat"], f) for f in families)
-            + f", and the val loss {source['val_loss']:.3f} → {e['val_loss']:.3f} ({cost:+.3f} nats)"
-        )
-        if "chat_sampled" in e and "chat_sampled" in source:
-            sampled = ", ".join(change(source["chat_sampled"], e["chat_sampled"], f) for f in families)
-            sentence += f"; sampled at T={e['chat_sampled']['temperature']:g}: {sampled}"
-        passes, passes_before = pass_view(e), pass_view(source)
-        if passes and passes_before:
-            (asked, after), (_, before) = passes, passes_before
-            sentence += f"; {asked.removeprefix('chat, ')}: " + ", ".join(change(before, after, f) for f in after)
-        out.append(sentence + ".")
+            out.append(base_sentence(m))
+        elif parent[0] == "teacher":
+            out.append(student_sentence(m, by_name[parent[1]], models))
+        else:
+            out.append(tuned_sentence(m, by_name[parent[1]]))
     return out
+
+
+def families_of(e: dict) -> list[str]:
+    return sorted(k for k, v in e["chat"].items() if isinstance(v, dict))
+
+
+def base_sentence(m: dict) -> str:
+    """A model trained from random weights: its tokens, val loss and completion accuracies."""
+    e = m["eval"]
+    accs = ", ".join(f"{f} {e['completion'][f]['accuracy']:.3f}" for f in families_of(e))
+    return (
+        f"- **{m['name']}** trained {m['params_count']:,} parameters from random weights on "
+        f"{m['train']['tokens_seen']:,} tokens to a val loss of {e['val_loss']:.3f} nats/token; "
+        f"asked in the completion format it answers {accs}."
+    )
+
+
+def student_sentence(m: dict, teacher: dict, models: list[dict]) -> str:
+    """A distilled student (or its control) against its teacher, and against its control."""
+    e, source, families = m["eval"], teacher["eval"], families_of(m["eval"])
+    pruned = m["provenance"].get("params", {}).get("distill", {}).get("init") == "teacher"
+    how = "cut from its teacher" if pruned else "from random weights,"
+    if m["provenance"].get("control"):
+        return (
+            f"- **{m['name']}** trained the same {m['params_count']:,}-parameter student ({how.rstrip(',')}, "
+            f"the same data, steps and seed) with the teacher's terms off, on its own next-token loss: "
+            f"the control distillation is measured against; val loss {e['val_loss']:.3f}."
+        )
+    share = m["params_count"] / teacher["params_count"]
+    accs = ", ".join(
+        f"{f} {e['chat'][f]['accuracy']:.3f} (teacher {source['chat'][f]['accuracy']:.3f})" for f in families
+    )
+    sentence = (
+        f"- **{m['name']}** trained a {m['params_count']:,}-parameter student ({share:.0%} of its teacher "
+        f"{teacher['name']}; {how} then distilled) to a val loss of {e['val_loss']:.3f} "
+        f"(teacher {source['val_loss']:.3f}); chat: {accs}"
+    )
+    control = control_of(m, models)
+    if control:
+        c = control["eval"]
+        sentence += f". Against its control {control['name']} (val loss {c['val_loss']:.3f}): greedy " + ", ".join(
+            change(c["chat"], e["chat"], f) for f in families
+        )
+        if "chat_sampled" in e and "chat_sampled" in c:
+            sentence += "; sampled " + ", ".join(change(c["chat_sampled"], e["chat_sampled"], f) for f in families)
+    return sentence + "."
+
+
+def tuned_sentence(m: dict, parent: dict) -> str:
+    """A model tuned from another (SFT, GRPO): what it moved, greedy, sampled and pass@k, and the val loss."""
+    e, source, families = m["eval"], parent["eval"], families_of(m["eval"])
+    rewarded = m["provenance"].get("params", {}).get(m["provenance"].get("stage"), {}).get("families")
+    reward = f", rewarding {', '.join(rewarded)}" if rewarded else ""
+    cost = e["val_loss"] - source["val_loss"]
+    sentence = (
+        f"- **{m['name']}** (from {parent['name']}{reward}) moved chat accuracy "
+        + ", ".join(change(source["chat"], e["chat"], f) for f in families)
+        + f", and the val loss {source['val_loss']:.3f} → {e['val_loss']:.3f} ({cost:+.3f} nats)"
+    )
+    if "chat_sampled" in e and "chat_sampled" in source:
+        sampled = ", ".join(change(source["chat_sampled"], e["chat_sampled"], f) for f in families)
+        sentence += f"; sampled at T={e['chat_sampled']['temperature']:g}: {sampled}"
+    passes, passes_before = pass_view(e), pass_view(source)
+    if passes and passes_before:
+        (asked, after), (_, before) = passes, passes_before
+        sentence += f"; {asked.removeprefix('chat, ')}: " + ", ".join(change(before, after, f) for f in after)
+    return sentence + "."
 
 
 def lineage_lines(m: dict) -> list[str]:

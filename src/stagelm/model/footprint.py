@@ -3,7 +3,7 @@ a train step's activations, a KV cache and the decode loop.
 
 A size typed into params.yaml or a flag (`model.n_layers: 10000`, `serve --slots 100000`)
 fails in one line before anything is allocated (`stagelm.infra.memory.require_memory`),
-not as an out-of-memory traceback minutes later. tests/test_memory.py holds these figures
+not as an out-of-memory traceback minutes later. tests/model/test_footprint.py holds these figures
 against XLA's own for the compiled programs.
 
     need = kv_cache_bytes(model.cfg, rows=slots, length=capacity)
@@ -12,6 +12,9 @@ against XLA's own for the compiled programs.
 
 from types import SimpleNamespace
 from typing import Any
+
+from stagelm.data.download import synthetic_corpus_bytes
+from stagelm.data.pack import pack_buffer_bytes
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -45,7 +48,7 @@ def generation_bytes(cfg: Any, rows: int, width: int, max_new: int) -> int:
     `width` tokens wide and `max_new` new tokens, by arithmetic on the shapes: the KV cache of
     width + max_new slots twice (the loop carries it in and out), the prefill's float32 scores
     and softmax weights of one layer, its logits and MLP activations, and the tokens and
-    statistics out. tests/test_memory.py holds it against XLA's own figures for the compiled
+    statistics out. tests/model/test_footprint.py holds it against XLA's own figures for the compiled
     loop: never below them, at most three times them."""
     slots = width + max_new
     scores = 2 * rows * cfg.n_heads * width * slots * 4
@@ -81,3 +84,28 @@ def benchmark_bytes(cfg: Any) -> dict[str, int]:
             2 * 8 * cfg.n_heads * slots * slots * 4 + 8 * slots * cfg.vocab_size * 4,  # naive: whole prefixes
         ),
     }
+
+
+def stage_estimates(sections: dict[str, Any]) -> dict[str, int]:
+    """The memory each stage will ask for, by arithmetic on params.yaml's sections (the vocabulary
+    at its cap, a generous prompt width): what `stagelm check` holds against this machine."""
+    model, vocab, seq = sections["model"], sections["tokenizer"].vocab_size, sections["pack"].seq_len
+    shape = SimpleNamespace(
+        **model.shape(), vocab_size=vocab, dtype=model.dtype, head_dim=model.d_model // model.n_heads
+    )
+    n = param_count(vocab, **model.shape(), tie_embeddings=model.tie_embeddings)
+    ev, grpo, bench = sections["eval"], sections["grpo"], sections["benchmark"]
+    prompt = 64  # a generous prompt width for the task families' prompts
+    rollout = grpo.prompts_per_step * grpo.group_size // grpo.grad_accum
+    estimates = {
+        "model (parameters, gradients, Adam's moments)": training_state_bytes(n, model.param_dtype),
+        "pretrain (a train step's activations)": train_step_bytes(shape, sections["training"].batch_size, seq),
+        "pack (a shard's buffers)": pack_buffer_bytes(sections["pack"].rows_per_shard, seq + 1),
+        "eval (generation)": generation_bytes(shape, ev.task_batch_size, prompt, ev.max_new_tokens),
+        "grpo (sampling a rollout)": generation_bytes(shape, rollout, prompt, grpo.max_new_tokens),
+        **{f"benchmark ({key})": need for key, need in benchmark_bytes(bench).items()},
+    }
+    if sections["data"].source == "synthetic":
+        memory, _ = synthetic_corpus_bytes(sections["data"])
+        estimates["download (the synthetic corpus, generated in memory)"] = memory
+    return estimates

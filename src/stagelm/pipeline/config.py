@@ -100,26 +100,6 @@ class DataConfig:
                 )
 
 
-def require_inputs(cfg: DataConfig, project: Path | None = None) -> None:
-    """Fail, naming the key, unless `data.inputs` (a dependency of the download stage) is a
-    folder inside the project (`project`, default the working directory, where dvc runs) and
-    not the project itself: DVC cannot hash the folder that holds its own .dvc/ and outputs."""
-    root = (project or Path.cwd()).resolve()
-    folder = Path(cfg.inputs).expanduser()
-    where = (root / folder).resolve()
-    if where == root or not where.is_relative_to(root):
-        place = "the project itself" if where == root else f"outside the project {root}"
-        raise StagelmError(
-            f"data.inputs: {cfg.inputs!r} is {place}; give a folder inside it that holds only your corpus "
-            "and task files (the repository ships inputs/)"
-        )
-    if not where.is_dir():
-        raise StagelmError(
-            f"data.inputs: {cfg.inputs!r} is not a folder; create it (the repository ships inputs/) "
-            "or point data.inputs at the folder holding your corpus"
-        )
-
-
 def inside(pattern: str, folder: str) -> bool:
     """Whether the files a path or glob names lie within `folder` (by their paths, before any glob)."""
     parts = Path(pattern).parts
@@ -207,18 +187,6 @@ class ModelConfig(ModelShape):
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "init_from"}
 
 
-def require_init_inside_inputs(model: "ModelConfig", data: DataConfig) -> None:
-    """Refuse a `model.init_from` outside `data.inputs`: its files are inputs DVC must hash (the
-    tokenizer and pretrain stages depend on that folder), as a corpus file's are."""
-    if model.init_from is not None:
-        path = model.init_from.partition(":")[2]
-        if not inside(path, data.inputs):
-            raise StagelmError(
-                f"model.init_from: {path!r} lies outside data.inputs {data.inputs!r}, the folder DVC hashes; "
-                "move the checkpoint into it"
-            )
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW on a warmup and a schedule, the run's length and its evals: the one home of
@@ -226,6 +194,8 @@ class OptimizerConfig:
     their own section, so DVC reruns only the stage whose key changed."""
 
     section: ClassVar[str]  # the params section, for the keys an error names
+    # The key that sets how many rows a micro-batch holds, named when the rows do not fit the mesh.
+    batch_key: ClassVar[str]
 
     lr: float = param("AdamW's peak learning rate", POSITIVE)
     min_lr_ratio: float = param("final learning rate of cosine and wsd, as a fraction of lr", UNIT)
@@ -257,6 +227,7 @@ class TrainingConfig(OptimizerConfig):
     """An optimizer run on packed rows: pretrain's `training`, and the base of sft and distill."""
 
     section: ClassVar[str] = "training"
+    batch_key: ClassVar[str] = "training.batch_size"
 
     batch_size: int = param("global rows per microbatch", POSITIVE)
     grad_accum: int = param("microbatches accumulated per optimizer step", POSITIVE)
@@ -355,6 +326,7 @@ class SftConfig(TrainingConfig):
     """Supervised fine-tuning of the pretrained model on the SFT conversations, full or LoRA."""
 
     section: ClassVar[str] = "sft"
+    batch_key: ClassVar[str] = "sft.batch_size"
 
     method: str = param(
         "full: every weight trains; lora: only adapters train, and the saved model is merged", one_of("full", "lora")
@@ -379,6 +351,7 @@ class DistillConfig(TrainingConfig):
     """Distillation of the SFT model (the teacher) into a smaller student."""
 
     section: ClassVar[str] = "distill"
+    batch_key: ClassVar[str] = "distill.batch_size"
 
     alpha: float = param("weight of the soft term alpha·T²·KL(teacher‖student); 1 - alpha goes to the hard CE", UNIT)
     temperature: float = param("temperature T of both distributions in the soft term", POSITIVE)
@@ -403,6 +376,7 @@ class GrpoConfig(OptimizerConfig):
     """GRPO on the SFT model: sampled answers to RL prompts, rewarded by each task family's checker."""
 
     section: ClassVar[str] = "grpo"
+    batch_key: ClassVar[str] = "grpo.prompts_per_step"  # a micro-batch is a share of a rollout's samples
 
     families: list[str] = param("RL task families rewarded, and so targeted")
     objective: str = param(

@@ -23,7 +23,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from stagelm.infra.errors import StagelmError
-from stagelm.pipeline.config import SECTIONS, SEED, require_init_inside_inputs
+from stagelm.pipeline.config import SECTIONS, SEED, DataConfig, ModelConfig, inside
 
 
 def read_yaml(path: Path) -> Any:
@@ -168,3 +168,59 @@ def section_dict(config: Any) -> dict[str, Any]:
         return [plain(x) for x in v] if isinstance(v, tuple) else v
 
     return {k: plain(v) for k, v in dataclasses.asdict(config).items()}
+
+
+def require_inputs(cfg: DataConfig, project: Path | None = None) -> None:
+    """Fail, naming the key, unless `data.inputs` (a dependency of the download stage) is a
+    folder inside the project (`project`, default the working directory, where dvc runs) and
+    not the project itself: DVC cannot hash the folder that holds its own .dvc/ and outputs."""
+    root = (project or Path.cwd()).resolve()
+    folder = Path(cfg.inputs).expanduser()
+    where = (root / folder).resolve()
+    if where == root or not where.is_relative_to(root):
+        place = "the project itself" if where == root else f"outside the project {root}"
+        raise StagelmError(
+            f"data.inputs: {cfg.inputs!r} is {place}; give a folder inside it that holds only your corpus "
+            "and task files (the repository ships inputs/)"
+        )
+    if not where.is_dir():
+        raise StagelmError(
+            f"data.inputs: {cfg.inputs!r} is not a folder; create it (the repository ships inputs/) "
+            "or point data.inputs at the folder holding your corpus"
+        )
+
+
+def require_init_inside_inputs(model: ModelConfig, data: DataConfig) -> None:
+    """Refuse a `model.init_from` outside `data.inputs`: its files are inputs DVC must hash (the
+    tokenizer and pretrain stages depend on that folder), as a corpus file's are."""
+    if model.init_from is not None:
+        path = model.init_from.partition(":")[2]
+        if not inside(path, data.inputs):
+            raise StagelmError(
+                f"model.init_from: {path!r} lies outside data.inputs {data.inputs!r}, the folder DVC hashes; "
+                "move the checkpoint into it"
+            )
+
+
+# Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update
+# at the default training.lr (3e-3) took SmolLM2-135M's loss from 2.41 to 13.93 (issue 47).
+# Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update
+# at the default training.lr (3e-3) took SmolLM2-135M's loss from 2.41 to 13.93 (issue 47).
+FINE_TUNING_LR = {"training": 3e-4, "sft": 3e-4, "distill": 3e-4, "grpo": 1e-4}
+
+
+def fine_tuning_warnings(sections: dict[str, Any]) -> list[str]:
+    """A warning line for each section whose peak rate would wreck a trained checkpoint (`model.init_from`),
+    pointing at the fine-tuning preset (docs/huggingface.md)."""
+    if sections["model"].init_from is None:
+        return []
+    lines = []
+    for name, ceiling in FINE_TUNING_LR.items():
+        cfg = sections[name]
+        wide = name == "sft" and cfg.method == "lora"  # adapters start at zero: a LoRA rate may be higher
+        if cfg.lr > ceiling * (10 if wide else 1):
+            lines.append(
+                f"warning: {name}.lr: {cfg.lr:g} is a from-scratch rate, and model.init_from starts from a trained "
+                "checkpoint; use the fine-tuning preset (docs/huggingface.md#fine-tuning-a-checkpoint)"
+            )
+    return lines

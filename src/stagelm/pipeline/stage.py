@@ -9,7 +9,7 @@
 so the folder's bytes do not change with the times). `start` parses the command line
 (every path flag required, `--params` defaulting to params.yaml), notes the start
 time and reads params.yaml on first use. Training stages start through
-`stagelm.train.loop.start_training`, which adds the multi-process runtime and the mesh.
+`stagelm.train.run.start_training`, which adds the multi-process runtime and the mesh.
 Nothing here imports JAX, so the data stages start in a fraction of a second.
 """
 
@@ -29,6 +29,7 @@ class Stage:
     name: str  # as provenance.json and `stagelm lineage` name it, e.g. "pretrain", "eval@sft"
     args: argparse.Namespace
     started: str
+    script: Path  # the stage script: a training run's fingerprint hashes it with the code it imported
 
     @functools.cached_property
     def params(self) -> dict[str, Any]:
@@ -60,4 +61,4 @@ def start(doc: str | None, *paths: str, options: dict[str, dict[str, Any]] | Non
         parser.add_argument(f"--{flag}", **keywords)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args()
-    return Stage(Path(sys.argv[0]).stem, args, now())
+    return Stage(Path(sys.argv[0]).stem, args, now(), Path(sys.argv[0]))

@@ -1,1 +1,1 @@
-"""Post-training on top of the loop: distillation and GRPO."""
+"""Post-training on top of the loop: SFT (full or LoRA), distillation into a smaller student, GRPO."""

@@ -21,11 +21,9 @@ sampled tokens are no labels). The student then meets, and is corrected on, the
 mistakes it makes itself, which fixed data never shows it.
 
 The student starts from scratch or from the teacher itself, pruned to the student's
-shape (`student_from_teacher`), as Minitron does (Muralidharan et al., 2024: prune a
-trained model in depth and width, then recover it by distillation).
+shape (`stagelm.post.student`).
 """
 
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -37,9 +35,8 @@ from flax import nnx
 from stagelm.infer.generate import Generator, Sampling
 from stagelm.infra import mesh
 from stagelm.infra.errors import StagelmError
-from stagelm.model.decoder import Decoder, DecoderConfig
-from stagelm.pipeline.config import StudentConfig
-from stagelm.train.loop import BatchSource
+from stagelm.model.decoder import Decoder
+from stagelm.train.batches import BatchSource
 from stagelm.train.step import LossFn, lm_loss, next_token_targets
 
 STUDENT = nnx.All(nnx.Param, nnx.PathContains("student"))
@@ -52,65 +49,6 @@ class Distiller(nnx.Module):
     def __init__(self, student: Decoder, teacher: Decoder):
         self.student = student
         self.teacher = teacher
-
-
-def check_prunable(student: StudentConfig, teacher: DecoderConfig, teacher_dir: Path) -> None:
-    """Refuse, naming the key, a `distill.student` shape that `student_from_teacher` cannot cut from the teacher."""
-    for key in ("d_model", "n_heads", "n_kv_heads"):
-        mine, theirs = getattr(student, key), getattr(teacher, key)
-        if mine != theirs:
-            raise StagelmError(
-                f"distill.student.{key}: {mine} differs from the teacher's {theirs} ({teacher_dir}); with "
-                "distill.init: teacher the student keeps the teacher's embeddings and attention, so set it "
-                "to the teacher's (or distill.init: scratch)"
-            )
-    for key in ("n_layers", "d_ff"):
-        mine, theirs = getattr(student, key), getattr(teacher, key)
-        if mine > theirs:
-            raise StagelmError(
-                f"distill.student.{key}: {mine} is more than the teacher's {theirs} ({teacher_dir}); "
-                "distill.init: teacher can only remove layers and MLP units"
-            )
-
-
-def teacher_layers(n_teacher: int, n_student: int) -> list[int]:
-    """The teacher layers a pruned student keeps: evenly spaced from the first to the last."""
-    if n_student == 1:
-        return [0]
-    return [round(i * (n_teacher - 1) / (n_student - 1)) for i in range(n_student)]
-
-
-def mlp_units(gate_up: np.ndarray, down: np.ndarray, keep: int) -> np.ndarray:
-    """Indices (ascending) of the `keep` SwiGLU hidden units with the largest product of
-    their gate, up and down weight norms: gate_up is (d, 2, f), down (f, d)."""
-    score = np.linalg.norm(gate_up[:, 0], axis=0) * np.linalg.norm(gate_up[:, 1], axis=0)
-    score = score * np.linalg.norm(down, axis=1)
-    return np.sort(np.argsort(-score, kind="stable")[:keep])
-
-
-def student_from_teacher(teacher: Decoder, cfg: DecoderConfig) -> Decoder:
-    """A `cfg`-shaped student whose every weight is cut from the teacher's (`check_prunable` first).
-
-    The embeddings, the final norm and each kept layer's norms and attention are copied
-    whole; the layers are `teacher_layers`, and each kept MLP keeps the `cfg.d_ff` units
-    of `mlp_units`. With the teacher's own shape it is the teacher, weight for weight.
-    """
-    student = Decoder(cfg, nnx.Rngs(0))  # every weight below is overwritten
-    student.embed[...] = teacher.embed[...]
-    student.final_norm[...] = teacher.final_norm[...]
-    if not cfg.tie_embeddings:
-        student.head[...] = teacher.head[...]
-    for mine, index in zip(student.blocks, teacher_layers(teacher.cfg.n_layers, cfg.n_layers), strict=True):
-        theirs = teacher.blocks[index]
-        mine.attn_norm[...] = theirs.attn_norm[...]
-        mine.mlp_norm[...] = theirs.mlp_norm[...]
-        for name in ("q", "kv", "o"):
-            getattr(mine.attn, name).w[...] = getattr(theirs.attn, name).w[...]
-        gate_up, down = np.asarray(theirs.mlp.gate_up.w[...]), np.asarray(theirs.mlp.down.w[...])
-        units = mlp_units(gate_up, down, cfg.d_ff)
-        mine.mlp.gate_up.w[...] = jnp.asarray(gate_up[:, :, units])
-        mine.mlp.down.w[...] = jnp.asarray(down[units])
-    return student
 
 
 def soft_kl(teacher_logits: jax.Array, student_logits: jax.Array, temperature: float, kl: str = "forward") -> jax.Array:
@@ -165,7 +103,7 @@ def first_turn(messages: list[dict]) -> list[dict]:
 
 class OnPolicyBatches:
     """`distill.on_policy` of the steps: the student's sampled answers to SFT prompts; the rest
-    from `data` (the packed rows). A `trainloop.BatchSource`; its state is both parts'."""
+    from `data` (the packed rows). A `train.batches.BatchSource`; its state is both parts'."""
 
     def __init__(
         self,
@@ -225,3 +163,11 @@ class OnPolicyBatches:
     def set_state(self, state: dict[str, Any]) -> None:
         self.data.set_state(state["data"])
         self.step = state["step"]
+
+
+def distill_objective(cfg: Any, control: bool) -> dict[str, Any]:
+    """The train loop's keywords for a distillation run (`cfg`: the distill section): only the
+    student trains, on the distillation loss (or, for the control, its own next-token loss),
+    and val/loss is always the student's own next-token loss."""
+    loss = student_lm_loss if control else distill_loss(cfg.alpha, cfg.temperature, cfg.kl)
+    return {"trainable": STUDENT, "loss_fn": loss, "eval_loss_fn": student_lm_loss}

@@ -18,7 +18,7 @@ An answer is the completion's first sentence (up to and including the first peri
 
 Adding a family: write `tasks/<name>.py` ending in `FAMILY = Family(...)` (the four
 above are the examples), import it below and add it to `REGISTRY`, and test its
-checker against its own reference answers (tests/test_synthetic.py does so for every
+checker against its own reference answers (tests/data/test_synthetic.py does so for every
 registered family). The imports are explicit, so `stagelm deps` and dvc.yaml list
 every family file, and editing one reruns the stages that read it.
 """

@@ -1,11 +1,15 @@
-"""Batches on the mesh: global arrays from per-process rows, and sums over a whole split.
+"""Batches on the mesh: where a training stage's batches come from, global arrays from
+per-process rows, and sums over a whole split.
 
 Every process reads only its own rows (the loader's process sharding); `global_batch`
-assembles them into one global array split over the mesh's data and fsdp axes.
+assembles them into one global array split over the mesh's data and fsdp axes. A
+`BatchSource` gives the loop its batches: packed rows through Grain (`PackedBatches`)
+by default, or anything else with the same three methods (GRPO's rollouts of the
+current policy, distillation's on-policy answers).
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -74,3 +78,33 @@ def evaluate(
     """(token-weighted mean loss, tokens counted) of a model over the first batches of `rows`."""
     loss, weight = sum_over_split(lambda b: eval_step(params, frozen, b), rows, batch_size, max_batches, mesh)
     return loss / max(weight, 1.0), weight
+
+
+class BatchSource(Protocol):
+    """Where a training stage's batches come from; its state is saved in every checkpoint."""
+
+    def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """(this process's rows as (rows, L) arrays, host metrics for the step's log row)."""
+        ...
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+
+class PackedBatches:
+    """Batches of packed rows: a seeded, process-sharded, checkpointable Grain iterator."""
+
+    def __init__(self, rows: PackedRows, local_rows: int, seed: int):
+        self.it = batch_iterator(
+            rows, local_rows, seed, shard_index=jax.process_index(), shard_count=jax.process_count()
+        )
+
+    def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        return next(self.it), {}
+
+    def get_state(self) -> dict[str, Any]:
+        return self.it.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.it.set_state(state)

@@ -89,7 +89,7 @@ def test_no_stage_declares_execution_settings():
 
 def test_every_stage_waits_for_the_params_check():
     """The params stage reads params.yaml whole; every other stage depends on its stamp, so a
-    typo fails `dvc repro` before anything runs (tests/test_dvc_pipeline.py runs it)."""
+    typo fails `dvc repro` before anything runs (tests/pipeline/test_dvc_repro.py runs it)."""
     assert STAGES["params"]["deps"][-1] == "${params_file}" and STAGES["params"]["outs"] == ["${params_stamp}"]
     assert not STAGES["params"].get("params")
     for name, stage in STAGES.items():

