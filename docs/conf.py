@@ -21,3 +21,6 @@ autodoc_default_options = {"members": True, "undoc-members": False}
 default_role = "code"
 napoleon_google_docstring = False
 napoleon_numpy_docstring = False
+
+# Dataclass fields show their types; those of other libraries have no page here to link to.
+nitpick_ignore_regex = [("py:class", r"(argparse|pathlib|tokenizers|flax|jax|numpy)\..*")]

@@ -3,8 +3,9 @@
     python stages/export.py --params params.yaml --model runs/sft/model --out runs/export/sft
 
 Writes what `LlamaForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load
-(see stagelm.interop.hf) and, beside it, `model.gguf` for llama.cpp and Ollama (stagelm.interop.gguf_file;
-matrices in `export.gguf_dtype`); its provenance goes beside the folder, `<out>.provenance.json`.
+(stagelm.interop.hf_export) and, beside it, `model.gguf` for llama.cpp and Ollama
+(stagelm.interop.gguf_export; matrices in `export.gguf_dtype`); its provenance goes beside
+the folder, `<out>.provenance.json`.
 """
 
 from stagelm.infra.errors import run_main

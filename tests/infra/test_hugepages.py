@@ -39,7 +39,7 @@ def test_huge_pages_help_only_where_the_tunable_changes_something():
 def test_an_entry_point_restarts_itself_once_with_the_tunable_and_its_arguments():
     code = """
         import os, sys
-        from stagelm.errors import run_main
+        from stagelm.infra.errors import run_main
         print("start", os.getpid(), flush=True)
         run_main(lambda: print("run", os.getpid(), os.environ.get("GLIBC_TUNABLES"), sys.argv[1:]))
     """

@@ -57,7 +57,7 @@ def generation_bytes(cfg: Any, rows: int, width: int, max_new: int) -> int:
 
 
 def train_step_bytes(cfg: Any, rows: int, seq_len: int) -> int:
-    """A train step's memory beside the state by arithmetic (what `trainloop.require_step_memory`
+    """A train step's memory beside the state by arithmetic (what `train.loop.require_step_memory`
     reads from XLA once the step is compiled): per layer, the activations the backward pass
     keeps and the float32 attention weights; the logits and their gradient; the gradients."""
     tokens = rows * seq_len

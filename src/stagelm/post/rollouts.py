@@ -111,7 +111,7 @@ class Group:
 
 
 class Rollouts:
-    """Batches of scored rollouts of the current policy, for `trainloop.train(batches=...)`."""
+    """Batches of scored rollouts of the current policy, for `train.loop.train(batches=...)`."""
 
     def __init__(
         self,
