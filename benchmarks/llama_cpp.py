@@ -105,7 +105,8 @@ def main() -> None:
 
     from stagelm.infer.generate import load_generator
     from stagelm.interop.gguf_export import export_gguf
-    from stagelm.measure.benchmark import cpu_model, matmul_gflops
+    from stagelm.measure.benchmark import cpu_model
+    from stagelm.measure.microbench import matmul_gflops
     from stagelm.model.decoder import count_params
 
     gen = load_generator(args.model)

@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 
 from stagelm.infer.generate import Sampling, load_generator
-from stagelm.measure.benchmark import matmul_gflops
+from stagelm.measure.microbench import matmul_gflops
 
 PROMPTS = [
     "Once upon a time,",

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from stagelm.infra.hugepages import restart_with_huge_pages
-from stagelm.measure.benchmark import bench_optimizer
+from stagelm.measure.microbench import bench_optimizer
 from stagelm.model.decoder import Decoder, DecoderConfig, flops_per_token
 from stagelm.train.step import init_state, make_optimizer, make_train_step
 

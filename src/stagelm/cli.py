@@ -22,6 +22,10 @@ stagelm lineage <artifact>;  stagelm inspect <run dir>
 stagelm params [--markdown] [--params params.yaml]
     every key of params.yaml with its default and meaning; --markdown prints the
     reference page docs/params.md is (stagelm.pipeline.paramsdoc).
+stagelm preset [<name>]
+    the `-S section.key=value` flags of a preset for `dvc exp run $(stagelm preset <name>)`
+    (sizes, dtype, remat and batch measured for a device; stagelm.pipeline.presets); with no
+    name, the presets and what each is for.
 stagelm deps stages/<stage>.py [-- flags]
     print the code deps and params of that stage as dvc.yaml should list them (the
     pipeline test checks dvc.yaml against the same computation); flags such as
@@ -179,6 +183,21 @@ def add_params(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=params)
 
 
+def add_preset(sub: argparse._SubParsersAction) -> None:
+    def preset(args: argparse.Namespace) -> None:
+        from stagelm.pipeline.presets import PRESETS, describe, flags
+
+        if args.name is None:
+            for name in PRESETS:
+                print(f"{name}: {describe(name)}")
+            return
+        print(" ".join(flags(args.name)))
+
+    p = sub.add_parser("preset", help="print a preset's -S flags for dvc exp run, or list the presets")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=preset)
+
+
 def add_deps(sub: argparse._SubParsersAction) -> None:
     def deps(args: argparse.Namespace) -> None:
         from stagelm.pipeline.deps import render
@@ -283,6 +302,7 @@ COMMANDS = (
     add_lineage,
     add_inspect,
     add_params,
+    add_preset,
     add_deps,
     add_export_hf,
     add_serve,

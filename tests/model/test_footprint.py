@@ -56,14 +56,17 @@ def test_generation_estimate_covers_the_compiled_decode_loop(rows, width, new):
     assert actual <= estimate <= 3 * actual, (actual, estimate)
 
 
-@pytest.mark.parametrize(("rows", "seq_len"), [(4, 64), (16, 256), (2, 1024)])
-def test_train_step_estimate_covers_the_compiled_step(rows, seq_len):
-    """benchmark_bytes' train step (checked before the benchmark allocates anything) against XLA's figures."""
-    from stagelm.measure.benchmark import bench_optimizer, random_rows
+@pytest.mark.parametrize(
+    ("rows", "seq_len", "remat"),
+    [(4, 64, "none"), (16, 256, "none"), (2, 1024, "none"), (16, 256, "dots"), (16, 256, "block")],
+)
+def test_train_step_estimate_covers_the_compiled_step(rows, seq_len, remat):
+    """train_step_bytes (stagelm check's estimate, by remat policy) against XLA's figures for the compiled step."""
+    from stagelm.measure.microbench import bench_optimizer, random_rows
     from stagelm.model.footprint import train_step_bytes
     from stagelm.train.step import init_state, make_optimizer, make_train_step
 
-    cfg = DecoderConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192)
+    cfg = DecoderConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, remat=remat)
     graphdef, params, frozen = nnx.split(Decoder(cfg, nnx.Rngs(0)), nnx.Param, ...)
     tx = make_optimizer(bench_optimizer(3), params)
     step = make_train_step(graphdef, tx)

@@ -87,7 +87,16 @@ def error_line(err: BaseException) -> str | None:
     if type(err).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and "RESOURCE_EXHAUSTED" in str(err):
         figure = next((line.strip() for line in str(err).splitlines() if "RESOURCE_EXHAUSTED" in line), "")
         return f"the device ran out of memory ({figure[:200]}); use smaller sizes (batch_size, seq_len, slots)"
+    if isinstance(err, RuntimeError) and "libtpu" in str(err) and "lockfile" in str(err):
+        return TPU_TAKEN
     return None
+
+
+# libtpu lets one process hold a TPU; a second one fails at its first JAX call.
+TPU_TAKEN = (
+    "the TPU is held by another process (one process at a time can use it): wait for that one, "
+    "and run experiments one at a time (dvc exp run --queue, then dvc queue start -j 1)"
+)
 
 
 def one_of_several() -> bool:

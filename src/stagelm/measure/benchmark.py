@@ -12,109 +12,24 @@ import json
 import os
 import platform
 import resource
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from stagelm.data.loader import PackedRows, batch_iterator
-from stagelm.infer.generate import Generator
 from stagelm.infra.devices import peak_flops
 from stagelm.infra.memory import require_memory
+from stagelm.measure.microbench import bench_decode, bench_train, matmul_flops
 from stagelm.measure.timing import summary, timed
-from stagelm.model.decoder import Decoder, DecoderConfig, flops_per_token
+from stagelm.model.decoder import DecoderConfig, flops_per_token
 from stagelm.model.footprint import benchmark_bytes
-from stagelm.pipeline.config import BenchmarkConfig, TrainingConfig
+from stagelm.pipeline.config import BenchmarkConfig
 from stagelm.pipeline.provenance import git_state
-from stagelm.train.step import init_state, make_optimizer, make_train_step
+from stagelm.train.loop import require_step_memory
 
 SCHEMA_VERSION = 1
-
-
-def matmul_flops(n: int, dtype: str, warmup: int, reps: int) -> list[float]:
-    """FLOP/s samples of an (n, n) @ (n, n) jitted matmul: the practical peak of this device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.dtype(dtype))
-    mm = jax.jit(jnp.matmul)
-    return [2 * n**3 / s for s in timed(lambda: mm(a, b).block_until_ready(), warmup, reps)]
-
-
-def matmul_gflops(n: int = 2048, reps: int = 10) -> int:
-    """Median GFLOP/s of an (n, n) fp32 matmul: one number that tells a fast machine from a slow one."""
-    return round(float(np.median(matmul_flops(n, "float32", 2, reps))) / 1e9)
-
-
-def bench_optimizer(steps: int) -> TrainingConfig:
-    """AdamW at a constant lr, decay on every matrix: what a pretraining step costs."""
-    return TrainingConfig(
-        lr=3e-4,
-        min_lr_ratio=1.0,
-        schedule="constant",
-        warmup_steps=0,
-        decay_fraction=0.0,
-        weight_decay=0.1,
-        decay_embeddings=True,
-        beta1=0.9,
-        beta2=0.95,
-        eps=1e-8,
-        grad_clip=0.0,
-        batch_size=1,
-        grad_accum=1,
-        steps=steps,
-        eval_every=steps,
-        eval_batches=1,
-        log_every=steps,
-        checkpoint_every=steps,
-        keep_checkpoints=1,
-    )
-
-
-def random_rows(vocab: int, batch: int, seq_len: int, seed: int = 0) -> dict[str, np.ndarray]:
-    tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq_len + 1)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(seq_len + 1, dtype=np.int32), tokens.shape).copy()
-    return {"tokens": tokens, "segment_ids": np.ones_like(tokens), "positions": positions}
-
-
-def bench_train(cfg: DecoderConfig, seq_len: int, batch: int, warmup: int, reps: int) -> dict[str, Any]:
-    """Train-step samples (seconds) and the first call's time (compile + one step)."""
-    model = Decoder(cfg, nnx.Rngs(0))
-    graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(bench_optimizer(warmup + reps + 1), params)
-    state = init_state(params, tx, jax.random.key(0))
-    step = make_train_step(graphdef, tx)
-    rows = jax.device_put({k: v[None] for k, v in random_rows(cfg.vocab_size, batch, seq_len).items()})
-    holder = {"state": state}
-
-    def one() -> None:
-        holder["state"], metrics = step(holder["state"], frozen, rows)
-        jax.block_until_ready(metrics)
-
-    t0 = time.perf_counter()
-    one()
-    first = time.perf_counter() - t0
-    return {"first_call_seconds": first, "step_seconds": timed(one, warmup, reps)}
-
-
-def bench_decode(
-    cfg: DecoderConfig, batch: int, prompt_len: int, new_tokens: int, warmup: int, reps: int, naive_reps: int = 0
-) -> dict[str, list[float]]:
-    """Seconds per greedy generation of `new_tokens` (cached; naive full-prefix `naive_reps` times) and per prefill."""
-    from tokenizers import Tokenizer, models
-
-    vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, "t0"))
-    gen = Generator(Decoder(cfg, nnx.Rngs(0)), tokenizer, prompt_len + new_tokens)
-    prompts = np.random.default_rng(1).integers(10, cfg.vocab_size, (batch, prompt_len)).tolist()
-    out = {"cached_seconds": timed(lambda: gen.generate(prompts, new_tokens, until_stop=False), warmup, reps)}
-    layout = gen.layout(prompts, new_tokens)
-    out["prefill_seconds"] = timed(lambda: jax.block_until_ready(gen._prefill(gen.params, *layout)), warmup, reps)
-    if naive_reps:
-        out["naive_seconds"] = timed(lambda: gen.naive_generate(prompts, new_tokens), 1, naive_reps)
-    return out
 
 
 def bench_loader(rows: PackedRows, batch: int, warmup: int, reps: int, batches_per_rep: int = 20) -> list[float]:
@@ -180,7 +95,8 @@ def measure_all(cfg: BenchmarkConfig, rows: PackedRows) -> tuple[dict[str, list[
     model, warm, reps = decoder_config(cfg), cfg.warmup, cfg.repetitions
     tokens_per_step = cfg.seq_len * cfg.batch_size
     samples = {"matmul.flops_per_sec": matmul_flops(cfg.matmul_size, cfg.dtype, warm, reps)}
-    train = bench_train(model, cfg.seq_len, cfg.batch_size, warm, reps)
+    check = partial(require_step_memory, key="benchmark.batch_size (or benchmark.seq_len)")
+    train = bench_train(model, cfg.seq_len, cfg.batch_size, warm, reps, check=check)
     samples["train.step_seconds"] = train["step_seconds"]
     samples["train.tokens_per_sec"] = [tokens_per_step / s for s in train["step_seconds"]]
     for batch in (1, 8):

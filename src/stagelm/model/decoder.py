@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stagelm.infra.mesh import constrain
+from stagelm.model.attention_kernels import kernel_for, splash_attention
 from stagelm.pipeline.config import ModelShape
 
 
@@ -41,7 +42,9 @@ class DecoderConfig(ModelShape):
     tie_embeddings: bool = True
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"
-    remat: str = "none"  # none | block: recompute each block's activations in the backward pass
+    remat: str = "none"  # none | block | dots: what each block keeps for the backward pass (REMAT_POLICIES)
+    attention: str = "auto"  # auto | reference | splash: the training pass's kernel (attention_kernels)
+    scan_layers: bool = False  # run the blocks as one jax.lax.scan (compile time independent of depth)
     init_std: float = 0.02
     # LoRA adapters (Hu et al., 2021) on the projections named in lora_targets; rank 0 = none.
     lora_rank: int = 0
@@ -124,6 +127,12 @@ def row_causal_mask(segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
     skip every block above the diagonal."""
     t = segment_ids.shape[1]
     return segment_causal_mask(segment_ids, segment_ids, positions, positions) & jnp.tri(t, dtype=bool)
+
+
+class Segments(NamedTuple):
+    """What a block's attention reads instead of a mask when the splash kernel runs: the row's segment ids (B, T)."""
+
+    ids: jax.Array
 
 
 @jax.custom_vjp
@@ -245,10 +254,15 @@ class Attention(nnx.Module):
         kv = self.kv(x, rng)  # (B, T, 2, K, Dh)
         return rope(q, rot), rope(kv[:, :, 0], rot), kv[:, :, 1]
 
-    def __call__(self, x: jax.Array, rot: Rotary, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, rng: jax.Array | None = None
+    ) -> jax.Array:
+        """Self-attention over the rows: `mask` is the reference kernel's (`row_causal_mask`), or
+        the rows' `Segments` for the splash kernel."""
         q, k, v = self.project_qkv(x, rot, rng)
-        y = constrain(attention(q, k, v, mask, causal=True), ("batch", "seq", "heads", "head_dim"))
-        return self.o(y, rng)
+        splash = isinstance(mask, Segments)
+        y = splash_attention(q, k, v, mask.ids) if splash else attention(q, k, v, mask, causal=True)
+        return self.o(constrain(y, ("batch", "seq", "heads", "head_dim")), rng)
 
     def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
@@ -283,7 +297,9 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.eps = cfg.norm_eps
 
-    def __call__(self, x: jax.Array, rot: Rotary, mask: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, rng: jax.Array | None = None
+    ) -> jax.Array:
         attn_rng, mlp_rng = (None, None) if rng is None else jax.random.split(rng)
         x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, attn_rng)
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps), mlp_rng)
@@ -317,14 +333,22 @@ class Decoder(nnx.Module):
     ) -> jax.Array:
         """Final-norm hidden states (B, T, D) of token rows (B, T); `rng` drives LoRA dropout when set."""
         x = self.embed_tokens(tokens)
-        mask = row_causal_mask(segment_ids, positions)
+        if kernel_for(self.cfg.attention, tokens.shape[1]) == "splash":
+            mask = Segments(segment_ids)
+        else:
+            mask = row_causal_mask(segment_ids, positions)
         rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        for i, block in enumerate(self.blocks):
-            key = None if rng is None else jax.random.fold_in(rng, i)
-            if self.cfg.remat == "block":
-                x = nnx.remat(lambda b, x, key: b(x, rot, mask, key))(block, x, key)
-            else:
-                x = block(x, rot, mask, key)
+        keys = [None if rng is None else jax.random.fold_in(rng, i) for i in range(len(self.blocks))]
+        if self.cfg.scan_layers:
+            x = scan_blocks(self.blocks, x, rot, mask, keys, self.cfg.remat)
+        else:
+            for block, key in zip(self.blocks, keys, strict=True):
+                if self.cfg.remat == "none":
+                    x = block(x, rot, mask, key)
+                else:
+                    x = nnx.remat(lambda b, x, key: b(x, rot, mask, key), policy=REMAT_POLICIES[self.cfg.remat])(
+                        block, x, key
+                    )
         return rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -359,6 +383,38 @@ class Decoder(nnx.Module):
         return self.logits(h), KVCache(tuple(layers), seg, pos)
 
 
+# What a block keeps for the backward pass (`model.remat`): `none` keeps every activation,
+# `block` nothing (each block recomputed, what MaxText calls full), `dots` the outputs of the
+# projections (matmuls without batch dimensions), so the backward pass recomputes only the
+# cheap elementwise work and attention.
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def scan_blocks(
+    blocks: nnx.List, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, keys: list, remat: str
+) -> jax.Array:
+    """The blocks as one `jax.lax.scan` over their stacked weights: XLA compiles one block, not
+    n_layers of them. The weights stay one module per block (the model folder, LoRA, the KV
+    cache and export see no difference); the stack is built inside the step, and its gradient
+    flows back to each block's own weights."""
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *[nnx.state(b) for b in blocks])
+    keyed = keys[0] is not None
+    stacked_keys = jnp.stack(keys) if keyed else jnp.zeros(len(keys))
+
+    def body(x: jax.Array, layer: tuple) -> tuple[jax.Array, None]:
+        state, key = layer
+        return nnx.merge(graphdef, state)(x, rot, mask, key if keyed else None), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, x, (stacked, stacked_keys))[0]
+
+
 class LayerCache(NamedTuple):
     k: jax.Array  # (B, S, K, Dh)
     v: jax.Array
@@ -384,8 +440,12 @@ def count_params(model: nnx.Module) -> int:
 
 
 def flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N (matmul params) + 12·L·D·T for attention (PaLM, Chowdhery et al., 2022, app. B)."""
+    """Training FLOPs per token, MaxText's count (`calculate_tflops_training_per_device`):
+    6·N for the matmul parameters, the unembedding included, plus 6·L·S·H·Dh for attention's
+    two products (2·2·S·H·Dh forward, twice that backward) with the causal half removed.
+    stagelm's MFU everywhere (pretrain's log, the benchmark stage, benchmarks/accelerator.py)
+    is this count over the device's peak."""
     d, dh = cfg.d_model, cfg.head_dim
     per_layer = 2 * d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh + 3 * d * cfg.d_ff
     matmul_params = cfg.n_layers * per_layer + cfg.vocab_size * d
-    return 6 * matmul_params + 12 * cfg.n_layers * d * seq_len
+    return 6 * matmul_params + 6 * cfg.n_layers * seq_len * cfg.n_heads * dh

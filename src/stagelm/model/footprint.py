@@ -15,6 +15,7 @@ from typing import Any
 
 from stagelm.data.download import synthetic_corpus_bytes
 from stagelm.data.pack import pack_buffer_bytes
+from stagelm.model.attention_kernels import kernel_for
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -58,19 +59,40 @@ def generation_bytes(cfg: Any, rows: int, width: int, max_new: int) -> int:
 
 def train_step_bytes(cfg: Any, rows: int, seq_len: int) -> int:
     """A train step's memory beside the state by arithmetic (what `train.loop.require_step_memory`
-    reads from XLA once the step is compiled): per layer, the activations the backward pass
-    keeps and the float32 attention weights; the logits and their gradient; the gradients."""
-    tokens = rows * seq_len
-    width = dtype_bytes(cfg.dtype)
-    per_layer = tokens * (12 * cfg.d_model + 6 * cfg.d_ff) * width + 2 * rows * cfg.n_heads * seq_len * seq_len * 4
+    reads from XLA once the step is compiled): what each layer keeps for the backward pass
+    (`cfg.remat`: everything, the projections' outputs, or only its input) and one layer's
+    recomputation and its gradients where remat applies, with the float32 attention weights the reference kernel
+    keeps (splash keeps a row statistic); the logits and their gradient; the gradients."""
+    tokens, width = rows * seq_len, dtype_bytes(cfg.dtype)
+    d, f = cfg.d_model, cfg.d_ff
+    if kernel_for(getattr(cfg, "attention", "auto"), seq_len) == "reference":
+        scores = 2 * rows * cfg.n_heads * seq_len * seq_len * 4
+    else:
+        scores = 2 * rows * cfg.n_heads * seq_len * 4
+    block = tokens * (12 * d + 6 * f) * width + scores
+    remat = getattr(cfg, "remat", "none")
+    if remat == "none":
+        layers = cfg.n_layers * block
+    else:
+        kept = d if remat == "block" else 3 * d + 2 * cfg.n_kv_heads * (d // cfg.n_heads) + 2 * f
+        layers = cfg.n_layers * tokens * kept * width + 2 * block  # one layer recomputed, and its gradients
     logits = 3 * tokens * cfg.vocab_size * 4
     n = param_count(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff)
-    return cfg.n_layers * per_layer + logits + n * 4
+    return layers + logits + n * 4
+
+
+def train_step_floor_bytes(cfg: Any, rows: int, seq_len: int) -> int:
+    """What any train step of this shape allocates at least, whatever its remat and kernel: each
+    layer's input, kept for the backward pass, and the logits. A check by this floor before
+    compiling never refuses a step that runs; the compiled step's own figures decide the rest."""
+    tokens, width = rows * seq_len, dtype_bytes(cfg.dtype)
+    return tokens * (cfg.n_layers * cfg.d_model + cfg.vocab_size) * width
 
 
 def benchmark_bytes(cfg: Any) -> dict[str, int]:
     """What each of the benchmark stage's measures allocates (`config.BenchmarkConfig`), by key:
-    the matmul, the train step with its state, and cached and naive decoding at batch 8."""
+    the matmul, the train step's state and floor (the compiled step is checked as the training
+    stages check theirs), and cached and naive decoding at batch 8."""
     shape = SimpleNamespace(
         vocab_size=cfg.vocab_size, **cfg.shape(), dtype=cfg.dtype, head_dim=cfg.d_model // cfg.n_heads
     )
@@ -78,7 +100,8 @@ def benchmark_bytes(cfg: Any) -> dict[str, int]:
     slots = cfg.prompt_len + cfg.new_tokens
     return {
         "benchmark.matmul_size": 3 * cfg.matmul_size**2 * dtype_bytes(cfg.dtype),
-        "benchmark.seq_len": training_state_bytes(n, "float32") + train_step_bytes(shape, cfg.batch_size, cfg.seq_len),
+        "benchmark.seq_len": training_state_bytes(n, "float32")
+        + train_step_floor_bytes(shape, cfg.batch_size, cfg.seq_len),
         "benchmark.new_tokens": max(
             generation_bytes(shape, 8, cfg.prompt_len, cfg.new_tokens),
             2 * 8 * cfg.n_heads * slots * slots * 4 + 8 * slots * cfg.vocab_size * 4,  # naive: whole prefixes

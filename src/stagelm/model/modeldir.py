@@ -88,6 +88,11 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
         raise StagelmError(f"{path}: not a readable safetensors file ({err}); rerun the stage that wrote it") from None
 
 
+# How one device runs the model, never part of it: a model trained with splash attention on a TPU
+# loads on a CPU (its `auto` takes the reference kernel there).
+DEVICE_SETTINGS = ("attention", "scan_layers")
+
+
 def save_model(
     out_dir: str | Path,
     model: Decoder,
@@ -116,7 +121,8 @@ def save_model(
         write_json(out_dir / CHAT_FILE, chat)
     tokenizer_sha = sha256_file(out_dir / "tokenizer.json")
     hashes = {"params_sha256": sha256_file(out_dir / PARAMS_FILE), "tokenizer_sha256": tokenizer_sha}
-    write_json(out_dir / "config.json", {**model.cfg.__dict__, **hashes, **(extra or {})})
+    described = {k: v for k, v in model.cfg.__dict__.items() if k not in DEVICE_SETTINGS}
+    write_json(out_dir / "config.json", {**described, **hashes, **(extra or {})})
 
 
 # config.json's fields are checked by params.yaml's rules for the same keys (`ModelConfig`'s: so

@@ -168,11 +168,18 @@ class ModelConfig(ModelShape):
     )
     param_dtype: str = param("dtype the parameters are stored and updated in", one_of("float32", "bfloat16"))
     remat: str = param(
-        "block: recompute each block's activations in the backward pass (less memory, more compute)",
-        one_of("none", "block"),
+        "what each block keeps for the backward pass: none (everything), dots (the projections' "
+        "outputs; attention and elementwise work recomputed), block (nothing: the whole block recomputed)",
+        one_of("none", "dots", "block"),
     )
+    attention: str = param(
+        "the training pass's attention kernel: auto (splash on a TPU for rows a multiple of 128 tokens, "
+        "else the reference), reference (XLA, every device) or splash (Pallas, TPU only)",
+        one_of("auto", "reference", "splash"),
+    )
+    scan_layers: bool = param("run the blocks as one scan: compile time no longer grows with n_layers")
     init_std: float = param("standard deviation of the initial weights", POSITIVE)
-    # A checkpoint brings its architecture and tokenizer; dtype, param_dtype and remat still apply.
+    # A checkpoint brings its architecture and tokenizer; the run settings (RUN_SETTINGS) still apply.
     init_from: str | None = param(
         "null = from scratch; hf:<folder> (a transformers Llama checkpoint) or gguf:<file> (a llama GGUF) "
         "under data.inputs, which DVC hashes",
@@ -181,6 +188,12 @@ class ModelConfig(ModelShape):
             "null, hf:<folder> or gguf:<file>",
         ),
     )
+
+    RUN_SETTINGS: ClassVar[tuple[str, ...]] = ("dtype", "param_dtype", "remat", "attention", "scan_layers")
+
+    def settings(self) -> dict[str, Any]:
+        """How the model runs, not what it is: applied to a checkpoint as to a new model."""
+        return {k: getattr(self, k) for k in self.RUN_SETTINGS}
 
     def architecture(self) -> dict[str, Any]:
         """The DecoderConfig fields of this section (everything but init_from)."""

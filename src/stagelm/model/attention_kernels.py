@@ -1,0 +1,102 @@
+"""Attention kernels for the decoder's training pass: the reference (`decoder.attention`,
+written out for XLA, every device) and Pallas splash attention (TPU).
+
+`model.attention` chooses: `auto` takes the device's kernel (splash on a TPU when the rows
+are a multiple of its block, else the reference), `reference` and `splash` are explicit,
+and an explicit kernel the device lacks is an error, never a quiet switch. Splash attention
+(`jax.experimental.pallas.ops.tpu.splash_attention`) keeps packed documents apart with its
+`SegmentIds` and groups query heads over k/v heads natively; within a packed row positions
+rise with the index inside each document, so "same segment and not to the right" is
+exactly the reference's segment-causal mask. Off a TPU the same kernel runs in Pallas's
+interpret mode, which is how the test suite checks it against the reference on a CPU.
+Generation (the KV cache) always uses the reference: one query row per step has no
+blocks to skip.
+"""
+
+import functools
+
+import jax
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import PartitionSpec
+
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.mesh import RULES
+
+KERNELS = ("auto", "reference", "splash")
+BLOCK = 128  # the TPU's lane width: splash's blocks are multiples of it
+MAX_BLOCK = 512  # the block size MaxText's splash defaults use for long rows
+
+
+def kernel_for(choice: str, seq_len: int, backend: str | None = None) -> str:
+    """The kernel `model.attention: choice` runs for rows of `seq_len` tokens on `backend`."""
+    backend = backend or jax.default_backend()
+    if choice == "auto":
+        return "splash" if backend == "tpu" and seq_len % BLOCK == 0 else "reference"
+    return choice
+
+
+def require_kernel(choice: str, seq_len: int, key: str = "model.attention") -> None:
+    """One line when `choice` cannot run here: splash off a TPU, or rows splash cannot tile."""
+    backend = jax.default_backend()
+    if choice == "splash" and backend != "tpu":
+        raise StagelmError(
+            f"{key}: splash is a TPU kernel and this process runs on {backend}; "
+            f"set {key}: auto (the device's own kernel) or reference"
+        )
+    if choice == "splash" and seq_len % BLOCK:
+        raise StagelmError(
+            f"{key}: splash tiles rows in blocks of {BLOCK} tokens and these rows have {seq_len}; "
+            f"use a multiple of {BLOCK} (data.seq_len) or set {key}: auto"
+        )
+
+
+def block_size(seq_len: int) -> int:
+    """The largest block of at most MAX_BLOCK tokens that divides the row (interpret mode takes any)."""
+    return next((b for b in (MAX_BLOCK, 256, BLOCK) if seq_len % b == 0), seq_len)
+
+
+@functools.cache
+def splash_kernel(seq_len: int, n_heads: int, interpret: bool):
+    """A causal splash kernel over one row: q (H, T, Dh), k and v (K, T, Dh), SegmentIds of (T,)."""
+    b = block_size(seq_len)
+    sizes = splash.BlockSizes(
+        block_q=b,
+        block_kv=b,
+        block_kv_compute=b,
+        block_q_dkv=b,
+        block_kv_dkv=b,
+        block_kv_dkv_compute=b,
+        block_q_dq=b,
+        block_kv_dq=b,
+    )
+    mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * n_heads)
+    # Built once per shape and kept: its mask tables must be constants, not values of the trace
+    # that first asked for it.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Causal attention within segments. q: (B, T, H, Dh); k, v: (B, T, K, Dh); segment_ids:
+    (B, T) → (B, T, H, Dh), as `decoder.attention(q, k, v, row_causal_mask(...), causal=True)`.
+    Under a mesh each device runs the kernel on its own rows (`shard_map` over the batch axes)."""
+
+    def rows(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
+        _, t, h, dh = q.shape
+        kernel = splash_kernel(t, h, jax.default_backend() != "tpu")
+        heads_first = (0, 2, 1, 3)
+        out = jax.vmap(kernel)(
+            (q * dh**-0.5).transpose(heads_first),
+            k.transpose(heads_first),
+            v.transpose(heads_first),
+            splash.SegmentIds(seg, seg),
+        )
+        return out.transpose(heads_first)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return rows(q, k, v, segment_ids)
+    batch = PartitionSpec(RULES["batch"])
+    return jax.shard_map(rows, in_specs=(batch, batch, batch, batch), out_specs=batch, check_vma=False)(
+        q, k, v, segment_ids
+    )

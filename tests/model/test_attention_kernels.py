@@ -1,0 +1,102 @@
+"""The splash kernel (Pallas, run here in interpret mode) against the reference attention,
+scanned layers against the loop, remat policies against none, and the kernel choice."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stagelm.infra.errors import StagelmError
+from stagelm.infra.mesh import make_mesh
+from stagelm.model.attention_kernels import kernel_for, require_kernel, splash_attention
+from stagelm.model.decoder import Decoder, DecoderConfig, attention, row_causal_mask
+
+T = 256  # two of splash's 128-token blocks in interpret mode
+
+
+def packed_rows():
+    """Two rows: three documents and padding (segment 0), and one whole document."""
+    seg = np.array([[1] * 90 + [2] * 100 + [3] * 40 + [0] * 26, [1] * T])
+    pos = np.array([np.concatenate([np.arange(90), np.arange(100), np.arange(40), np.arange(26)]), np.arange(T)])
+    return jnp.asarray(seg), jnp.asarray(pos)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_splash_equals_the_reference_with_its_gradients(heads, kv_heads):
+    seg, pos = packed_rows()
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, T, heads, 32))
+    k, v = (jax.random.normal(key, (2, T, kv_heads, 32)) for key in keys[1:3])
+    weight = jax.random.normal(keys[3], q.shape)
+    mask = row_causal_mask(seg, pos)
+
+    def reference(q, k, v):
+        return jnp.sum(attention(q, k, v, mask, causal=True) * weight)
+
+    def splash(q, k, v):
+        return jnp.sum(splash_attention(q, k, v, seg) * weight)
+
+    np.testing.assert_allclose(splash(q, k, v), reference(q, k, v), rtol=1e-5)
+    want, got = jax.grad(reference, (0, 1, 2))(q, k, v), jax.grad(splash, (0, 1, 2))(q, k, v)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(b, a, atol=2e-5)
+
+
+CFG = DecoderConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48)
+
+
+def loss_and_grads(cfg: DecoderConfig, mesh=None):
+    model = Decoder(cfg, nnx.Rngs(0))
+    seg, pos = packed_rows()
+    tokens = jax.random.randint(jax.random.key(1), seg.shape, 0, cfg.vocab_size)
+
+    def loss(m):
+        return jnp.mean(m(tokens, seg, pos).astype(jnp.float32) ** 2)
+
+    step = nnx.jit(nnx.value_and_grad(loss))
+    if mesh is None:
+        return step(model)
+    with jax.set_mesh(mesh):
+        return step(model)
+
+
+def assert_same(a, b, atol):
+    (la, ga), (lb, gb) = a, b
+    np.testing.assert_allclose(lb, la, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(y, x, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"attention": "splash"},
+        {"scan_layers": True},
+        {"remat": "dots"},
+        {"remat": "block", "scan_layers": True},
+        {"remat": "dots", "scan_layers": True, "attention": "splash"},
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_a_decoder_setting_changes_speed_or_memory_not_the_math(change):
+    reference = loss_and_grads(dataclasses.replace(CFG, attention="reference"))
+    assert_same(reference, loss_and_grads(dataclasses.replace(CFG, **change)), atol=1e-6)
+
+
+def test_splash_sharded_over_the_batch_equals_one_device():
+    cfg = dataclasses.replace(CFG, attention="splash")
+    one = loss_and_grads(cfg)
+    assert_same(one, loss_and_grads(cfg, make_mesh(2, 1, 1, jax.devices()[:2])), atol=1e-6)
+
+
+def test_the_kernel_choice():
+    assert kernel_for("auto", 2048, "tpu") == "splash"
+    assert kernel_for("auto", 1000, "tpu") == "reference"  # rows splash cannot tile
+    assert kernel_for("auto", 2048, "cpu") == "reference"
+    assert kernel_for("reference", 2048, "tpu") == "reference"
+    require_kernel("auto", 100)
+    with pytest.raises(StagelmError, match=r"^model.attention: splash is a TPU kernel and this process runs on cpu;"):
+        require_kernel("splash", 256)
