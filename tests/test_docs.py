@@ -6,6 +6,7 @@ page holding a path of the machine it was written on. (The pages themselves are 
 import dataclasses
 import itertools
 import re
+import sys
 import typing
 from pathlib import Path
 
@@ -125,3 +126,8 @@ def test_no_machine_paths(name):
     for page in [target] if target.is_file() else sorted(target.glob("*.md")):
         for number, line in enumerate(page.read_text().splitlines(), 1):
             assert not MACHINE_PATH.search(line), f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+
+
+def test_the_accelerator_page_holds_the_tables_its_json_files_give():
+    result = run([sys.executable, "benchmarks/accelerator_table.py", "--check"], ROOT, check=False)
+    assert result.returncode == 0, "docs/accelerators.md is stale: run python benchmarks/accelerator_table.py"

@@ -23,7 +23,8 @@ def test_a_tpu_held_by_another_process_is_one_line():
         "from stagelm.infra.errors import run_main\n"
         "def main():\n"
         "    raise RuntimeError('Unable to initialize backend tpu: INTERNAL: Internal error when accessing "
-        "libtpu multi-process lockfile. Run \"$ sudo lsof -w /dev/accel0\" to figure out which process is using the TPU.')\n"
+        'libtpu multi-process lockfile. Run "$ sudo lsof -w /dev/accel0" to figure out which process '
+        "is using the TPU.')\n"
         "run_main(main)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)

@@ -100,3 +100,21 @@ def test_the_kernel_choice():
     require_kernel("auto", 100)
     with pytest.raises(StagelmError, match=r"^model.attention: splash is a TPU kernel and this process runs on cpu;"):
         require_kernel("splash", 256)
+
+
+def test_a_model_trained_with_device_settings_loads_anywhere_with_its_own_math(tmp_path):
+    """config.json records what the model is, not how one device ran it: a splash-and-scan model
+    loads with `auto` (the reference kernel on this CPU) and unrolled blocks, and computes the same."""
+    from tokenizers import Tokenizer, models
+
+    from stagelm.model.modeldir import load_model, model_config_json, save_model
+
+    trained = Decoder(dataclasses.replace(CFG, attention="splash", scan_layers=True), nnx.Rngs(4))
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(CFG.vocab_size)}, "t0"))
+    save_model(tmp_path / "model", trained, tokenizer, {"context_len": T})
+    assert not {"attention", "scan_layers"} & set(model_config_json(tmp_path / "model"))
+    loaded = load_model(tmp_path / "model")
+    assert (loaded.cfg.attention, loaded.cfg.scan_layers) == ("auto", False)
+    seg, pos = packed_rows()
+    tokens = jax.random.randint(jax.random.key(5), seg.shape, 0, CFG.vocab_size)
+    np.testing.assert_allclose(nnx.jit(loaded)(tokens, seg, pos), nnx.jit(trained)(tokens, seg, pos), atol=1e-5)

@@ -1,0 +1,75 @@
+"""docs/accelerators.md's tables from benchmarks/accelerator-*.json (benchmarks/accelerator.py's output).
+
+    python benchmarks/accelerator_table.py            # rewrite the tables in docs/accelerators.md
+    python benchmarks/accelerator_table.py --check    # exit 1 when the page is not what the files give
+
+Every train entry of every file is a row, the files in name order; decoding entries form the second table.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs/accelerators.md"
+BEGIN, END = "<!-- accelerator-table: begin -->", "<!-- accelerator-table: end -->"
+
+
+def tables(files: list[Path]) -> str:
+    train = [
+        "| file | shape | heads × size | seq | rows (micro × accum) | remat | scan | tok/s | MFU | first step (s) "
+        "| XLA bytes | estimate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    decode = [
+        "| file | shape | batch | tok/s | bandwidth bound (tok/s) | of the bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in files:
+        result = json.loads(path.read_text())
+        tag = path.stem.removeprefix("accelerator-")
+        for e in result["train"]:
+            rows = f"{e['batch']} ({e['micro_batch']} × {e['accumulation']})"
+            head = f"{e['name']} | {e['n_heads']} × {e['head_dim']} | {e['seq_len']} | {rows} | {e['remat']} | "
+            head += "yes" if e["scan_layers"] else "no"
+            if "error" in e:
+                train.append(f"| {tag} | {head} | {e['error'][:60]} | | | | |")
+                continue
+            memory = (
+                f"{e['compiled_bytes'] / 2**30:.1f} GiB | {e['estimated_bytes'] / 2**30:.1f} GiB"
+                if "compiled_bytes" in e
+                else " | "
+            )
+            train.append(
+                f"| {tag} | {head} | {e['tokens_per_sec'] / 1e3:.1f}k | {e['mfu']:.1%} | "
+                f"{e['first_step_seconds']:.1f} | {memory} |"
+            )
+        for e in result.get("decode", []):
+            decode.append(
+                f"| {tag} | {e['name']} | {e['decode_batch']} | {e['tokens_per_sec']:,.0f} | "
+                f"{e['bandwidth_bound_tokens_per_sec']:,.0f} | {e['fraction_of_bound']:.0%} |"
+            )
+    return (
+        "\n".join(train)
+        + "\n\nDecoding (bf16 weights, 128 prompt + 128 new tokens, greedy, KV cache):\n\n"
+        + "\n".join(decode)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    files = sorted((ROOT / "benchmarks").glob("accelerator-*.json"))
+    text = PAGE.read_text()
+    before, rest = text.split(BEGIN)
+    after = rest.split(END)[1]
+    new = f"{before}{BEGIN}\n{tables(files)}\n{END}{after}"
+    if args.check:
+        sys.exit(0 if new == text else 1)
+    PAGE.write_text(new)
+
+
+if __name__ == "__main__":
+    main()
