@@ -9,6 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ROOT, micro_params, run, run_in_process, tree_bytes, write_params
 from flax import nnx
@@ -207,7 +208,7 @@ IMPORTS = [  # (config.json changes, or a file's bytes, → the words of the err
     ({"num_attention_heads": 0}, "num_attention_heads = 0; expected an integer in [1, "),
     ({"num_attention_heads": 3}, "num_attention_heads 3 does not divide hidden_size 16"),
     ({"hidden_size": "abc"}, "hidden_size = 'abc'; expected an integer in [1, "),
-    ({"intermediate_size": None}, "intermediate_size missing; a Llama config.json needs it"),
+    ({"intermediate_size": None}, "intermediate_size missing; a Llama checkpoint needs it"),
     ({"num_hidden_layers": 200000}, "num_hidden_layers = 200000; expected an integer in [1, 1,024]"),
     ({"rms_norm_eps": "small"}, "rms_norm_eps = 'small'; expected a positive number"),
     ({"config.json": b"{not json"}, "config.json: not valid JSON"),
@@ -512,3 +513,177 @@ def test_a_lone_surrogate_is_refused_naming_the_file_and_line(capsys, tmp_path, 
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: inputs/f.jsonl:2: holds a lone surrogate escape (\\ud800"), err
     assert not Path("raw").exists()
+
+
+def test_export_gguf_never_writes_over_a_file_unless_told(monkeypatch, capsys, model_dir, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("mine\n")
+    err = stagelm(monkeypatch, capsys, "export-gguf", str(model_dir), str(readme))
+    assert err == f"error: {readme}: exists; give another path, or --force to replace it\n"
+    assert readme.read_text() == "mine\n"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(readme), "--force"])
+    cli.main()
+    assert readme.read_bytes()[:4] == b"GGUF"
+
+
+# --- import-hf and import-gguf: the tensors against the config, one checker for both ---------
+
+WEIGHTS = [  # (config.json changes, tensor changes (name → array, None = removed), words of the error)
+    (
+        {"intermediate_size": 48},
+        {},
+        "tensor model.layers.0.mlp.gate_proj.weight has shape (32, 16), but "
+        "intermediate_size, hidden_size give (48, 16)",
+    ),
+    (
+        {"num_key_value_heads": 2},
+        {},
+        "tensor model.layers.0.self_attn.k_proj.weight has shape (8, 16), but "
+        "num_key_value_heads, num_attention_heads, hidden_size give (16, 16)",
+    ),
+    (
+        {"num_hidden_layers": 1000},
+        {},
+        "num_hidden_layers is 1000 but tensor model.layers.1.input_layernorm.weight is missing",
+    ),
+    (
+        {},
+        {"model.layers.1.input_layernorm.weight": np.ones(16, np.float32)},
+        "num_hidden_layers is 1 but the weights hold model.layers.1.input_layernorm.weight",
+    ),
+    (
+        {},
+        {"model.layers.0.self_attn.q_proj.bias": np.zeros(16, np.float32)},
+        "tensor model.layers.0.self_attn.q_proj.bias has no place (stagelm's decoder has no such weight)",
+    ),
+    (
+        {},
+        {"model.norm.weight": np.ones(16, np.int8)},
+        "tensor model.norm.weight is int8; stagelm imports floating-point weights",
+    ),
+    ({}, {"model.norm.weight": np.full(16, np.nan, np.float32)}, "tensor model.norm.weight holds NaN"),
+    ({}, {"model.norm.weight": None}, "tensor model.norm.weight is missing"),
+]
+
+
+@pytest.mark.parametrize(("config", "tensors", "words"), WEIGHTS, ids=[w[:48] for _, _, w in WEIGHTS])
+def test_import_hf_holds_the_weights_to_the_config(monkeypatch, capsys, model_dir, tmp_path, config, tensors, words):
+    from safetensors.numpy import load_file, save_file
+
+    hf = tmp_path / "hf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(hf)])
+    cli.main()
+    (hf / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()), **config}))
+    weights = load_file(str(hf / "model.safetensors"))
+    for name, values in tensors.items():
+        if values is None:
+            del weights[name]
+        else:
+            weights[name] = values
+    save_file(weights, str(hf / "model.safetensors"))
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+    assert words in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stray_second_weights_file_is_refused_not_merged(monkeypatch, capsys, model_dir, tmp_path):
+    from safetensors.numpy import save_file
+
+    hf = tmp_path / "hf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(hf)])
+    cli.main()
+    save_file({"model.norm.weight": np.zeros(16, np.float32)}, str(hf / "old-norm.safetensors"))
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+    assert "tensor model.norm.weight is also in" in err
+    assert not (tmp_path / "out").exists()
+
+
+def rewritten_gguf(src: Path, dst: Path, fields: dict, tensors: dict) -> Path:
+    """`src` written again with metadata `fields` changed (key → (value, GGUFValueType), None = dropped)
+    and `tensors` changed (name → float32 array, None = dropped): how a damaged or foreign GGUF looks."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in fields:
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for key, change in fields.items():
+        if change is not None:
+            writer.add_key_value(key, *change)
+    for t in reader.tensors:
+        if t.name not in tensors:
+            writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    for name, values in tensors.items():
+        if values is not None:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
+    ({"llama.attention.head_count": (0, "UINT32")}, {}, "llama.attention.head_count = 0; expected an integer in"),
+    ({"llama.embedding_length": ("16", "STRING")}, {}, "llama.embedding_length = '16'; expected an integer"),
+    ({"llama.attention.layer_norm_rms_epsilon": (-1.0, "FLOAT32")}, {}, "layer_norm_rms_epsilon = -1.0; expected a"),
+    ({"llama.rope.freq_base": (float("nan"), "FLOAT32")}, {}, "llama.rope.freq_base = nan; expected a positive"),
+    ({"llama.context_length": (0, "UINT32")}, {}, "llama.context_length = 0; expected an integer in"),
+    (
+        {"llama.block_count": (1000, "UINT32")},
+        {},
+        "llama.block_count is 1000 but tensor blk.1.attn_norm.weight is missing",
+    ),
+    ({}, {"blk.0.attn_q.bias": np.zeros(16, np.float32)}, "blk.0.attn_q.bias"),
+    ({}, {"blk.0.attn_q.weight": np.zeros((15, 16), np.float32)}, "has shape (15, 16), but llama.attention.head_count"),
+]
+
+
+@pytest.mark.parametrize(("fields", "tensors", "words"), GGUF_CASES, ids=[w[:40] for _, _, w in GGUF_CASES])
+def test_import_gguf_checks_what_import_hf_checks(monkeypatch, capsys, model_dir, tmp_path, fields, tensors, words):
+    import gguf
+
+    good = tmp_path / "good.gguf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(good)])
+    cli.main()
+    fields = {k: None if v is None else (v[0], gguf.GGUFValueType[v[1]]) for k, v in fields.items()}
+    bad = rewritten_gguf(good, tmp_path / "bad.gguf", fields, tensors)
+    err = stagelm(monkeypatch, capsys, "import-gguf", str(bad), str(tmp_path / "out"))
+    assert words in err
+    assert not (tmp_path / "out").exists()
+
+
+CHAT_FILES = [  # (file, contents, words of the error)
+    ("generation_config.json", {"eos_token_id": [-5]}, "generation_config.json: eos_token_id -5 is not a token id"),
+    ("generation_config.json", {"eos_token_id": 10**30}, "eos_token_id 1000000000000000000000000000000 is not a"),
+    ("tokenizer_config.json", {"chat_template": ["x", 3]}, "chat_template is a list of something other than"),
+    ("tokenizer_config.json", {"chat_template": 3}, "tokenizer_config.json: chat_template is int; expected a Jinja"),
+]
+
+
+@pytest.mark.parametrize(("name", "contents", "words"), CHAT_FILES, ids=[w[:40] for _, _, w in CHAT_FILES])
+def test_import_hf_checks_its_chat_files(monkeypatch, capsys, model_dir, tmp_path, name, contents, words):
+    hf = tmp_path / "hf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(hf)])
+    cli.main()
+    path = hf / name
+    path.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), **contents}))
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+    assert words in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_linked_into_inputs_from_outside_is_outside(monkeypatch, capsys, tmp_path):
+    """DVC hashes a symbolic link, not what it points to: a checkpoint reached through one would
+    change without any stage rerunning, so init_from refuses it as it refuses a path outside."""
+    (tmp_path / "elsewhere/ckpt").mkdir(parents=True)
+    (tmp_path / "project/inputs").mkdir(parents=True)
+    (tmp_path / "project/inputs/ckpt").symlink_to(tmp_path / "elsewhere/ckpt")
+    monkeypatch.chdir(tmp_path / "project")
+    write_params(Path("params.yaml"), micro_params(model={"init_from": "hf:inputs/ckpt"}))
+    code, err = run_in_process([sys.executable, str(ROOT / "stages/params.py"), "--out", "stamp.json"], capsys)
+    assert code == 2 and err.startswith("error: model.init_from: 'inputs/ckpt' lies outside data.inputs 'inputs'")
+    assert not Path("stamp.json").exists()

@@ -235,6 +235,8 @@ def add_export_gguf(sub: argparse._SubParsersAction) -> None:
 
         if args.out_file.is_dir():
             raise StagelmError(f"{args.out_file}: a folder; give export-gguf the path of the .gguf file to write")
+        if args.out_file.exists() and not args.force:
+            raise StagelmError(f"{args.out_file}: exists; give another path, or --force to replace it")
         refuse_dvc_output(args.out_file, "export-gguf")
         out = export_gguf(args.model_dir, args.out_file, args.dtype)
         print(f"export-gguf: {args.model_dir} → {out} (llama, {args.dtype} matrices; tokenizer and chat template)")
@@ -242,7 +244,8 @@ def add_export_gguf(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export-gguf", help="write a model directory as a llama GGUF file for llama.cpp")
     p.add_argument("model_dir", type=Path)
     p.add_argument("out_file", type=Path)
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (the matrices)")
+    p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16, q8_0 or q4_0 (the matrices)")
+    p.add_argument("--force", action="store_true", help="replace out_file if it exists")
     p.set_defaults(func=export_gguf)
 
 

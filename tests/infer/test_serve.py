@@ -341,6 +341,7 @@ def test_the_page_cannot_be_broken_out_of_by_a_name():
     assert "<" not in text and ">" not in text and json.loads(text) == name
 
 
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
 PARSE = [  # (body, param or None, words): every one a 400 with an error object, none a 500
     (b"[" * 200_000 + b"]" * 200_000, None, "nested too deeply"),
     (b'{"model": "%s", "prompt": "\\ud800"}' % NAME.encode(), "prompt", "lone surrogate"),
@@ -350,6 +351,24 @@ PARSE = [  # (body, param or None, words): every one a 400 with an error object,
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
     ({"model": NAME, "prompt": "x", "echo": True}, "echo", "not supported"),
     ({"model": NAME, "prompt": "x", "best_of": 3}, "best_of", "best_of = n"),
+    ({"model": NAME, "prompt": "x", "temperature": 10**400}, "temperature", "out of range"),
+    ({"model": NAME, "prompt": "x", "top_p": -(10**400)}, "top_p", "out of range"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 10**400}, "max_tokens", "out of range"),
+    ({"model": NAME, "prompt": "x", "suffix": " the end"}, "suffix", "not supported"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 100}}, "logit_bias", "not supported"),
+    ({"model": NAME, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"model": NAME, "prompt": "x", "frequency_penalty": -1}, "frequency_penalty", "not supported"),
+    (
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        "response_format",
+        "not supported",
+    ),
+    (
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "required"},
+        "tool_choice",
+        "not supported",
+    ),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}, "tools", "not supported"),
 ]
 
 
@@ -359,8 +378,13 @@ def test_what_fails_to_parse_is_a_400_and_neutral_openai_fields_pass(trained):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         status, answer, _ = trained.post(path, data)
         assert status == 400 and answer["error"]["param"] == param and words in answer["error"]["message"], answer
+        assert len(answer["error"]["message"]) < 200  # a 400-digit number is not echoed whole
     neutral = {"model": NAME, "prompt": "x", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1}
+    neutral |= {"suffix": "", "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}
     assert trained.post("/v1/completions", neutral)[0] == 200
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tool_choice": "none"}
+    chat |= {"tools": [TOOL], "response_format": {"type": "text"}}
+    assert trained.post("/v1/chat/completions", chat)[0] == 200
     with socket.create_connection(("127.0.0.1", trained.port)) as s:  # a client that leaves mid-body
         s.sendall(post_head(trained, 5000) + b"\r\n" + b'{"model": "')
     assert trained.post("/v1/completions", neutral)[0] == 200

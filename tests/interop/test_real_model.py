@@ -224,3 +224,19 @@ def test_its_gguf_export_holds_the_checkpoints_own_tensors(gguf_file, imported, 
     original = {t.name: dequantize(t.data, t.tensor_type) for t in theirs.tensors}
     for t in ours.tensors:
         np.testing.assert_array_equal(t.data.reshape(original[t.name].shape), original[t.name], err_msg=t.name)
+
+
+def test_a_q8_0_export_is_under_two_fifths_of_float32_and_answers_alike(imported, tmp_path):
+    """`export-gguf --dtype q8_0`: every matrix of SmolLM2 (rows of 576 or 1536 values) in blocks of
+    32 one-byte values, read back by import-gguf, greedy for 32 tokens exactly as the float32 model."""
+    f32, q8 = tmp_path / "f32.gguf", tmp_path / "q8.gguf"
+    run(["stagelm", "export-gguf", str(imported), str(f32)], tmp_path)
+    out = run(["stagelm", "export-gguf", str(imported), str(q8), "--dtype", "q8_0"], tmp_path).stdout
+    assert "kept float16" not in out  # nothing left unquantized
+    assert q8.stat().st_size <= 0.40 * f32.stat().st_size, (q8.stat().st_size, f32.stat().st_size)
+    run(["stagelm", "import-gguf", str(q8), str(tmp_path / "q8")], tmp_path)
+    full, quantized = load_generator(imported), load_generator(tmp_path / "q8")
+    for prompt in PROMPTS:
+        ids = full.tokenizer.encode(prompt).ids
+        want = full.generate([ids], 32, until_stop=False)[0].tokens
+        assert quantized.generate([ids], 32, until_stop=False)[0].tokens == want, prompt

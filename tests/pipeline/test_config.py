@@ -41,6 +41,33 @@ def test_micro_params_parse():
         ("data", "val_fraction", 1.5, "data.val_fraction: expected a float in (0, 1), got 1.5"),
         ("model", "tie_embeddings", "yes", "model.tie_embeddings: expected a bool, got 'yes'"),
         ("mesh", "data", 0, "mesh.data: expected -1 (infer) or a positive int, got 0"),
+        (
+            "grpo",
+            "beta1",
+            1.0,
+            "grpo.beta1: expected a float in [0, 1) (at 1 the average never moves and Adam divides by 0), got 1.0",
+        ),
+        (
+            "distill",
+            "beta2",
+            1.0,
+            "distill.beta2: expected a float in [0, 1) (at 1 the average never moves and Adam divides by 0), got 1.0",
+        ),
+        (
+            "grpo",
+            "kl_coef",
+            1e308,
+            "grpo.kl_coef: expected a float in [0, 1000] (beyond, the KL term overflows the loss), got 1e+308",
+        ),
+        (
+            "distill",
+            "temperature",
+            1e308,
+            "distill.temperature: expected a float in (0, 100] (the soft term is "
+            "scaled by T², which overflows beyond), got 1e+308",
+        ),
+        ("model", "attention", "flash", "model.attention: expected one of 'auto', 'reference', 'splash', got 'flash'"),
+        ("model", "remat", "full", "model.remat: expected one of 'none', 'dots', 'block', got 'full'"),
     ],
 )
 def test_wrong_values_name_the_key(section, key, value, message):
@@ -62,6 +89,14 @@ def test_unknown_and_missing_keys():
         load_section(params, "pack")
     with pytest.raises(StagelmError, match=r"^model: section missing"):
         load_section({}, "model")
+
+
+def test_a_grpo_objective_that_weighs_no_sample_is_refused():
+    params = shipped_params()
+    params["grpo"] |= {"objective": "grpo", "positive_weight": 0.0, "negative_weight": 0}
+    with pytest.raises(StagelmError) as err:
+        load_section(params, "grpo")
+    assert str(err.value) == "grpo.positive_weight: 0 with grpo.negative_weight 0 trains on no sample; set one above 0"
 
 
 def test_cross_field_rules():

@@ -35,15 +35,27 @@ def error_body(err: BadRequest) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
 
 
+def shown(value: Any, limit: int = 40) -> str:
+    """A request's value as an error quotes it: JSON, cut at `limit` characters (a 400-digit number too)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
-    """`body[name]` if it has one of `kinds` (bool never counts as a number), else `default` when absent."""
+    """`body[name]` if it has one of `kinds` (bool never counts as a number; an integer beyond
+    what a float holds neither), else `default` when absent."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(k.__name__ for k in kinds)
-        raise BadRequest(f"{name}: expected {names}, got {json.dumps(value)[:60]}", name)
+        raise BadRequest(f"{name}: expected {names}, got {shown(value)}", name)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+        raise BadRequest(f"{name}: {shown(value)} is out of range", name)
     return value
+
+
+MAX_NUMBER = 2**63  # no field of a request means anything beyond it; Python's float() of more overflows
 
 
 def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
@@ -52,7 +64,7 @@ def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
     if max_tokens is None:
         max_tokens = field(body, "max_completion_tokens", (int,), default_max)
     if max_tokens < 1:
-        raise BadRequest(f"max_tokens: expected a positive integer, got {max_tokens}", "max_tokens")
+        raise BadRequest(f"max_tokens: expected a positive integer, got {shown(max_tokens)}", "max_tokens")
     temperature = float(field(body, "temperature", (int, float), 1.0))
     if not 0 <= temperature <= 2:
         raise BadRequest(f"temperature: expected a number in [0, 2], got {temperature}", "temperature")
@@ -61,10 +73,10 @@ def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
         raise BadRequest(f"top_p: expected a number in (0, 1], got {top_p}", "top_p")
     n = field(body, "n", (int,), 1)
     if not 1 <= n <= slots:
-        raise BadRequest(f"n: expected an integer in [1, {slots}], got {n}", "n")
+        raise BadRequest(f"n: expected an integer in [1, {slots}], got {shown(n)}", "n")
     seed = field(body, "seed", (int,), None)
     if seed is not None and not 0 <= seed < 2**31:
-        raise BadRequest(f"seed: expected an integer in [0, {2**31 - 1}], got {seed}", "seed")
+        raise BadRequest(f"seed: expected an integer in [0, {2**31 - 1}], got {shown(seed)}", "seed")
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
@@ -77,7 +89,7 @@ def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
     stream = field(body, "stream", (bool,), False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise BadRequest(f"stream_options: expected an object, got {json.dumps(options)[:60]}", "stream_options")
+        raise BadRequest(f"stream_options: expected an object, got {shown(options)}", "stream_options")
     if options is not None and not stream:
         raise BadRequest("stream_options: only allowed with stream: true", "stream_options")
     include_usage = field(options or {}, "include_usage", (bool,), False)
@@ -114,6 +126,23 @@ def unsupported(body: dict, n: int) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise BadRequest(f"best_of: only best_of = n ({n}) is supported; leave it out", "best_of")
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) not in neutral:
+            raise BadRequest(f"{name}: {shown(body[name])} is not supported by this server; leave it out", name)
+    if body.get("tools") and body.get("tool_choice") in (None, "auto"):
+        raise BadRequest("tools: tool calls are not supported by this server; leave tools out", "tools")
+
+
+# OpenAI fields this server does not implement, with the values that change nothing (what
+# clients send by default); any other value would change the answer, so it is refused.
+NEUTRAL: dict[str, tuple] = {
+    "tool_choice": (None, "none", "auto"),  # "auto" with no tools is no tool call
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "suffix": (None, ""),
+}
 
 
 def chat_prompt(body: dict, chat: ChatFormat) -> list[int]:

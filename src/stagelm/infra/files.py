@@ -1,6 +1,7 @@
 """Small file helpers shared by every stage: atomic writes, sha256, JSON."""
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -36,6 +37,8 @@ def naming(path: str | Path) -> Iterator[None]:
     except OSError as err:
         if err.filename is None and err.errno is not None:
             raise OSError(err.errno, err.strerror or os.strerror(err.errno), str(path)) from None
+        if err.errno is None and "requested and" in str(err):  # numpy's short write: "4096 requested and 3584 written"
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({err})", str(path)) from None
         raise
 
 

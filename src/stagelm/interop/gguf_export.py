@@ -31,7 +31,7 @@ from stagelm.interop.llama_state import llama_tensors
 from stagelm.model.decoder import DecoderConfig
 from stagelm.model.modeldir import load_model, read_model_context
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
 
 
 def vocabulary(tok: Any) -> tuple[list[str], list[int], list[str]]:
@@ -97,9 +97,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    kind = {"float32": gguf.GGMLQuantizationType.F32, "float16": gguf.GGMLQuantizationType.F16}
-    kind["bfloat16"] = gguf.GGMLQuantizationType.BF16
-    writer.add_file_type({"float32": 0, "float16": 1, "bfloat16": 32}[dtype])
+    writer.add_file_type(FILE_TYPES[dtype])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre_tokenizer_name(tok))
     writer.add_token_list(tokens)
@@ -114,16 +112,42 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
     if end_of_turn:
         writer.add_eot_token_id(end_of_turn[0])
     writer.add_chat_template(chat.template or CHAT_TEMPLATE)
-    for name, values in gguf_names(llama_tensors(model), cfg).items():
+    kept = add_tensors(writer, gguf_names(llama_tensors(model), cfg), dtype)
+    if kept:
+        print(
+            f"export-gguf: {dtype} for every matrix but {len(kept)} whose rows are not a multiple of 32, "
+            f"kept float16: {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}; norms float32"
+        )
+    return write_atomically(writer, out)
+
+
+# llama.cpp's file types (LLAMA_FTYPE_*): what model.gguf says its matrices mostly are.
+FILE_TYPES = {"float32": 0, "float16": 1, "q4_0": 2, "q8_0": 7, "bfloat16": 32}
+QUANTIZED = {"q8_0": "Q8_0", "q4_0": "Q4_0"}  # block quantization of 32 values a row at a time
+
+
+def add_tensors(writer: Any, tensors: dict[str, np.ndarray], dtype: str) -> list[str]:
+    """Add every tensor to `writer`: norms (1-D) in float32, matrices in `dtype`. A block-quantized
+    dtype (q8_0, q4_0) takes rows of a multiple of 32 values; a matrix whose rows are not stays
+    float16, as llama.cpp's own quantizer leaves it. Returns the names of the matrices kept so."""
+    import gguf
+
+    kept = []
+    for name, values in tensors.items():
         values = np.ascontiguousarray(values, np.float32)
-        if values.ndim == 1 or dtype == "float32":
+        target = dtype
+        if dtype in QUANTIZED and values.ndim == 2 and values.shape[-1] % 32:
+            target = "float16"
+            kept.append(name)
+        if values.ndim == 1 or target == "float32":
             writer.add_tensor(name, values)
-        elif dtype == "float16":
+        elif target == "float16":
             writer.add_tensor(name, values.astype(np.float16))
         else:
-            packed = gguf.quants.quantize(values, kind["bfloat16"])
-            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=kind["bfloat16"])
-    return write_atomically(writer, out)
+            kind = gguf.GGMLQuantizationType[QUANTIZED.get(target, "BF16")]
+            packed = gguf.quants.quantize(values, kind)
+            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=kind)
+    return kept
 
 
 def gguf_names(tensors: dict[str, np.ndarray], cfg: DecoderConfig) -> dict[str, np.ndarray]:

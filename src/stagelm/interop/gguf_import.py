@@ -25,7 +25,13 @@ from stagelm.interop.gguf_layout import (
     WHOLE_NAMES,
     unpermute,
 )
-from stagelm.interop.llama_state import decoder_from_llama_tensors
+from stagelm.interop.llama_state import (
+    LIMITS,
+    check_llama_tensors,
+    config_float,
+    config_int,
+    decoder_from_llama_tensors,
+)
 from stagelm.model.decoder import Decoder, DecoderConfig
 
 
@@ -52,14 +58,14 @@ def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
     if arch != "llama":
         raise StagelmError(f"{path}: general.architecture is {arch!r}; stagelm imports 'llama' GGUF models only")
 
-    def number(key: str, default: Any = None) -> Any:
-        value = field(reader, f"llama.{key}", default)
-        if value is None:
-            raise StagelmError(f"{path}: llama.{key} missing; a llama GGUF needs it")
-        return value
+    def size(key: str, limit: str, default: Any = None) -> int:  # the HF field whose limit applies
+        return config_int(field(reader, f"llama.{key}", default), f"llama.{key}", path, LIMITS[limit])
 
-    d, heads = int(number("embedding_length")), int(number("attention.head_count"))
-    kv = int(number("attention.head_count_kv", heads))
+    def number(key: str, default: Any = None) -> float:
+        return config_float(field(reader, f"llama.{key}", default), f"llama.{key}", path)
+
+    d, heads = size("embedding_length", "hidden_size"), size("attention.head_count", "num_attention_heads")
+    kv = size("attention.head_count_kv", "num_key_value_heads", heads)
     if d % heads or heads % kv or (d // heads) % 2:
         raise StagelmError(f"{path}: {heads} heads and {kv} kv heads do not fit an embedding of {d}")
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
@@ -70,17 +76,17 @@ def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
         raise StagelmError(f"{path}: llama.rope.scaling.type {scaling!r}; stagelm's RoPE has no scaling")
     tokens = field(reader, "tokenizer.ggml.tokens") or []
     cfg = DecoderConfig(
-        vocab_size=int(number("vocab_size", len(tokens) or None)),
+        vocab_size=size("vocab_size", "vocab_size", len(tokens) or None),
         d_model=d,
-        n_layers=int(number("block_count")),
+        n_layers=size("block_count", "num_hidden_layers"),
         n_heads=heads,
         n_kv_heads=kv,
-        d_ff=int(number("feed_forward_length")),
-        rope_theta=float(number("rope.freq_base", 10000.0)),  # llama.cpp's own default when absent
-        norm_eps=float(number("attention.layer_norm_rms_epsilon")),
+        d_ff=size("feed_forward_length", "intermediate_size"),
+        rope_theta=number("rope.freq_base", 10000.0),  # llama.cpp's own default when absent
+        norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
-    return cfg, int(number("context_length"))
+    return cfg, size("context_length", "max_position_embeddings")
 
 
 def gguf_tensors(reader: Any, cfg: DecoderConfig, path: Path) -> dict[str, np.ndarray]:
@@ -103,12 +109,39 @@ def gguf_tensors(reader: Any, cfg: DecoderConfig, path: Path) -> dict[str, np.nd
             raise StagelmError(
                 f"{path}: tensor {t.name} is {t.tensor_type.name}, which gguf cannot dequantize"
             ) from None
-        if name.endswith("q_proj.weight"):
-            values = unpermute(values, cfg.n_heads)
-        elif name.endswith("k_proj.weight"):
-            values = unpermute(values, cfg.n_kv_heads)
+        if name in out:
+            raise StagelmError(f"{path}: tensor {t.name} appears twice; the file is damaged")
         out[name] = values
+    check_llama_tensors(cfg, out, path, GGUF_KEYS, gguf_name)  # before unpermuting, which reshapes by the head counts
+    for name, values in out.items():
+        if name.endswith("q_proj.weight"):
+            out[name] = unpermute(values, cfg.n_heads)
+        elif name.endswith("k_proj.weight"):
+            out[name] = unpermute(values, cfg.n_kv_heads)
     return out
+
+
+def gguf_name(name: str) -> str:
+    """A transformers Llama tensor name as llama.cpp spells it (`model.layers.0.self_attn.q_proj.bias` →
+    `blk.0.attn_q.bias`), for errors in the file's own words."""
+    layer = {v: k for k, v in LAYER_NAMES.items()}
+    whole = {v: k for k, v in WHOLE_NAMES.items()}
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("model.layers."):
+        index, _, what = stem.removeprefix("model.layers.").partition(".")
+        return f"blk.{index}.{layer.get(what, what)}.{kind}"
+    return f"{whole.get(stem, stem)}.{kind}"
+
+
+GGUF_KEYS = {  # the GGUF keys that set each dimension (llama_state.check_llama_tensors)
+    "d": "llama.embedding_length",
+    "heads": "llama.attention.head_count",
+    "kv": "llama.attention.head_count_kv",
+    "ff": "llama.feed_forward_length",
+    "vocab": "llama.vocab_size (or the token list)",
+    "layers": "llama.block_count",
+    "tie": "no output.weight",
+}
 
 
 def gguf_tokenizer(reader: Any, path: Path) -> Any:
@@ -181,5 +214,6 @@ def import_gguf(path: str | Path, vocab_size: int | None = None, **settings: Any
     cfg, context = gguf_config(reader, path)
     tok = gguf_tokenizer(reader, path)
     spec = gguf_chat_spec(reader, tok, path)
-    model = decoder_from_llama_tensors(cfg, gguf_tensors(reader, cfg, path), path, vocab_size, **settings)
+    tensors = gguf_tensors(reader, cfg, path)
+    model = decoder_from_llama_tensors(cfg, tensors, path, vocab_size, GGUF_KEYS, gguf_name, **settings)
     return model, context, tok, spec

@@ -14,7 +14,7 @@ import numpy as np
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import read_json_object
 from stagelm.interop.chat_spec import chat_spec
-from stagelm.interop.llama_state import decoder_from_llama_tensors
+from stagelm.interop.llama_state import LIMITS, config_float, config_int, decoder_from_llama_tensors
 from stagelm.model.decoder import Decoder, DecoderConfig
 
 # config.json fields stagelm's decoder has one value of: a checkpoint that says otherwise is refused.
@@ -28,36 +28,12 @@ FIXED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "pret
 ROPE_KEYS = {"rope_type", "rope_theta", "type", "partial_rotary_factor"}
 
 
-# The integer fields import reads, with the largest value accepted: far above any released
-# Llama, and low enough that a wrong value fails here instead of in a huge allocation.
-HF_LIMITS = {
-    "vocab_size": 1 << 22,
-    "hidden_size": 1 << 16,
-    "num_hidden_layers": 1024,
-    "num_attention_heads": 1024,
-    "num_key_value_heads": 1024,
-    "intermediate_size": 1 << 20,
-    "max_position_embeddings": 1 << 20,
-    "head_dim": 1 << 12,
-}
-
-
 def hf_int(c: dict[str, Any], field: str, path: Path, default: int | None = None) -> int:
-    value = c.get(field, default)
-    if value is None:
-        raise StagelmError(f"{path}: {field} missing; a Llama config.json needs it")
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= HF_LIMITS[field]:
-        raise StagelmError(f"{path}: {field} = {value!r}; expected an integer in [1, {HF_LIMITS[field]:,}]")
-    return value
+    return config_int(c.get(field, default), field, path, LIMITS[field])
 
 
 def hf_float(c: dict[str, Any], field: str, path: Path, default: float | None = None) -> float:
-    value = c.get(field, default)
-    if value is None:
-        raise StagelmError(f"{path}: {field} missing; a Llama config.json needs it")
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
-        raise StagelmError(f"{path}: {field} = {value!r}; expected a positive number")
-    return float(value)
+    return config_float(c.get(field, default), field, path)
 
 
 def rope_theta(c: dict[str, Any], path: Path) -> float:
@@ -95,7 +71,7 @@ def rope_theta(c: dict[str, Any], path: Path) -> float:
 
 def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
     """(stagelm DecoderConfig, context length) of a transformers Llama config.json in transformers 4's
-    or 5's layout, or one line why not: every field used is type- and range-checked (HF_LIMITS)
+    or 5's layout, or one line why not: every field used is type- and range-checked (llama_state.LIMITS)
     before anything is allocated, and a field stagelm cannot represent is refused, never dropped."""
     path = hf_dir / "config.json"
     c = read_json_object(path, "hf:<dir> must be a local transformers checkpoint directory")
@@ -138,11 +114,19 @@ def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
     if not files:
         raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
     tensors: dict[str, np.ndarray] = {}
+    came_from: dict[str, Path] = {}
     for file in files:
         try:
-            tensors.update(load_file(str(file)))
+            loaded = load_file(str(file))
         except (SafetensorError, OSError, ValueError) as err:
             raise StagelmError(f"{file}: not a readable safetensors file ({str(err)[:80]})") from None
+        for name in loaded:
+            if name in came_from:
+                raise StagelmError(
+                    f"{file}: tensor {name} is also in {came_from[name].name}; remove the file that does not belong"
+                )
+            came_from[name] = file
+        tensors.update(loaded)
     return tensors
 
 
@@ -169,26 +153,40 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
     config = read_json_object(config_path, "the checkpoint's tokenizer_config.json") if config_path.is_file() else {}
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
+        if not all(isinstance(t, dict) for t in template):
+            raise StagelmError(f"{config_path}: chat_template is a list of something other than named templates")
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise StagelmError(f"{config_path}: chat_template is {type(template).__name__}; expected a Jinja string")
     if (hf_dir / "chat_template.jinja").is_file():  # transformers 4.43+ saves it apart
         template = (hf_dir / "chat_template.jinja").read_text()
     generation = hf_dir / "generation_config.json"
     gen = read_json_object(generation, "fix or remove it") if generation.is_file() else {}
     model = read_json_object(hf_dir / "config.json", "a transformers checkpoint's config.json")
 
+    def token_ids(key: str) -> list[int]:  # generation_config.json's, else config.json's, checked against tok
+        where = generation if f"{key}_token_id" in gen else hf_dir / "config.json"
+        ids = gen.get(f"{key}_token_id", model.get(f"{key}_token_id"))
+        ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+        vocab = tok.get_vocab_size()
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab:
+                raise StagelmError(
+                    f"{where}: {key}_token_id {str(i)[:40]} is not a token id of its tokenizer (0 to {vocab - 1})"
+                )
+        return ids
+
     def spelled(key: str) -> str | None:
         token = hf_token(config.get(f"{key}_token"))
         if token is None:
-            ids = gen.get(f"{key}_token_id", model.get(f"{key}_token_id"))
-            ids = ids if isinstance(ids, list) else [ids]
-            token = tok.id_to_token(ids[0]) if ids and isinstance(ids[0], int) else None
+            ids = token_ids(key)
+            token = tok.id_to_token(ids[0]) if ids else None
         return token
 
     eos = spelled("eos")
     if eos is None:
         raise StagelmError(f"{config_path}: no eos_token (nor an eos_token_id in generation_config.json); add one")
-    ends = gen.get("eos_token_id", model.get("eos_token_id"))
-    stops = [tok.id_to_token(i) for i in (ends if isinstance(ends, list) else [ends]) if isinstance(i, int)]
+    stops = [tok.id_to_token(i) for i in token_ids("eos")]
     return chat_spec(
         tok,
         config_path,

@@ -9,6 +9,8 @@ reshape and a transpose per matrix: stagelm keeps q as (D, H, Dh), k and v fused
 """
 
 import dataclasses
+import numbers
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +50,148 @@ def llama_tensors(model: Decoder) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(a) for name, a in out.items()}
 
 
-def decoder_from_llama_tensors(
-    cfg: DecoderConfig, tensors: dict[str, np.ndarray], where: Path, vocab_size: int | None = None, **settings: Any
-) -> Decoder:
-    """A stagelm Decoder holding transformers' Llama state dict `tensors` (name → (out, in) arrays).
+# The integer sizes import reads, with the largest value accepted (transformers' names): far above
+# any released Llama, and low enough that a wrong value fails here instead of in a huge allocation.
+LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "intermediate_size": 1 << 20,
+    "max_position_embeddings": 1 << 20,
+    "head_dim": 1 << 12,
+}
 
-    `vocab_size` beyond the checkpoint's grows the embedding (and an untied head) for tokens
-    added to its tokenizer; their rows start at the mean of the existing ones. `settings` are
-    DecoderConfig fields that do not change the weights (dtype, param_dtype, remat)."""
+
+def config_int(value: Any, key: str, where: Path, limit: int) -> int:
+    """A checkpoint's integer size, or one line naming `key`: an integer (not a bool, a string or a
+    float) in [1, limit]. transformers' config.json and GGUF metadata go through it alike."""
+    if value is None:
+        raise StagelmError(f"{where}: {key} missing; a Llama checkpoint needs it")
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not 0 < value <= limit:
+        raise StagelmError(f"{where}: {key} = {shown(value)}; expected an integer in [1, {limit:,}]")
+    return int(value)
+
+
+def config_float(value: Any, key: str, where: Path) -> float:
+    """A checkpoint's positive finite number (RoPE base, RMSNorm epsilon), or one line naming `key`."""
+    if value is None:
+        raise StagelmError(f"{where}: {key} missing; a Llama checkpoint needs it")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise StagelmError(f"{where}: {key} = {shown(value)}; expected a positive number")
+    return float(value)
+
+
+def shown(value: Any) -> str:
+    text = repr(value.item() if isinstance(value, np.generic) else value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+# What sets each dimension of transformers' Llama tensors, by the name a format gives it: the
+# config keys an error names when a tensor disagrees with the config.
+HF_KEYS = {
+    "d": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv": "num_key_value_heads",
+    "ff": "intermediate_size",
+    "vocab": "vocab_size",
+    "layers": "num_hidden_layers",
+    "tie": "tie_word_embeddings",
+}
+LAYER_SHAPES = {  # transformers' (out, in) layout, in the dimensions above ("qd": heads × head size)
+    "input_layernorm.weight": (("d",), ("d",)),
+    "post_attention_layernorm.weight": (("d",), ("d",)),
+    "self_attn.q_proj.weight": (("heads", "d"), ("heads", "d")),
+    "self_attn.k_proj.weight": (("kv", "d"), ("kv", "heads", "d")),
+    "self_attn.v_proj.weight": (("kv", "d"), ("kv", "heads", "d")),
+    "self_attn.o_proj.weight": (("d", "heads"), ("d", "heads")),
+    "mlp.gate_proj.weight": (("ff", "d"), ("ff", "d")),
+    "mlp.up_proj.weight": (("ff", "d"), ("ff", "d")),
+    "mlp.down_proj.weight": (("d", "ff"), ("d", "ff")),
+}
+IGNORED = (".rotary_emb.inv_freq",)  # buffers older transformers saved: recomputed, never weights
+
+
+def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Every tensor a checkpoint of `cfg` must hold: name → (shape, the dimensions' names that set it)."""
+    size = {"d": cfg.d_model, "heads": cfg.n_heads * cfg.head_dim, "kv": cfg.n_kv_heads * cfg.head_dim}
+    size |= {"ff": cfg.d_ff, "vocab": cfg.vocab_size}
+    out = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, cfg.d_model), ("vocab", "d")),
+        "model.norm.weight": ((cfg.d_model,), ("d",)),
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = ((cfg.vocab_size, cfg.d_model), ("vocab", "d", "tie"))
+    for i in range(cfg.n_layers):
+        for name, (dims, keys) in LAYER_SHAPES.items():
+            out[f"model.layers.{i}.{name}"] = (tuple(size[x] for x in dims), keys)
+    return out
+
+
+def check_llama_tensors(
+    cfg: DecoderConfig,
+    tensors: dict[str, np.ndarray],
+    where: Path,
+    keys: dict[str, str],
+    named: Callable[[str], str] = str,
+) -> None:
+    """Refuse, in one line naming the config key and the tensor, a checkpoint whose tensors are not
+    exactly the decoder `cfg` describes: one missing (a layer count above the weights'), one left
+    over (a layer beyond it, a bias, an untied head under tied embeddings), a shape the config
+    does not give, integer or boolean values, or a value that is not finite. Runs before anything
+    is allocated; transformers folders and GGUF files go through it alike (`keys` names the
+    dimensions, and `named` a tensor, in each format's own words)."""
+    expected = expected_shapes(cfg)
+    for name in tensors:
+        if name in expected or name.endswith(IGNORED):
+            continue
+        if name == "lm_head.weight" and np.array_equal(tensors[name], tensors.get("model.embed_tokens.weight")):
+            continue  # a tied head saved as well: the same values
+        layer = name.removeprefix("model.layers.").partition(".")[0]
+        if name.startswith("model.layers.") and layer.isdigit() and int(layer) >= cfg.n_layers:
+            raise StagelmError(
+                f"{where}: {keys['layers']} is {cfg.n_layers} but the weights hold {name}; "
+                f"set {keys['layers']} to the layers the weights have"
+            )
+        why = f"{keys['tie']} is true" if name == "lm_head.weight" else "stagelm's decoder has no such weight"
+        raise StagelmError(f"{where}: tensor {named(name)} has no place ({why}); refused rather than dropped")
+    for name, (shape, dims) in expected.items():
+        if name not in tensors:
+            if name.startswith("model.layers."):
+                raise StagelmError(
+                    f"{where}: {keys['layers']} is {cfg.n_layers} but tensor {named(name)} is missing; "
+                    f"set {keys['layers']} to the layers the weights have"
+                )
+            raise StagelmError(f"{where}: tensor {named(name)} is missing")
+        values = tensors[name]
+        if values.shape != shape:
+            given = ", ".join(dict.fromkeys(keys[x] for x in dims))
+            raise StagelmError(
+                f"{where}: tensor {named(name)} has shape {tuple(values.shape)}, but {given} give {shape}; "
+                "the config and the weights disagree"
+            )
+        if not np.issubdtype(values.dtype, np.floating) and values.dtype.name != "bfloat16":
+            raise StagelmError(
+                f"{where}: tensor {named(name)} is {values.dtype}; stagelm imports floating-point weights"
+            )
+        if not np.isfinite(values.astype(np.float32)).all():
+            raise StagelmError(f"{where}: tensor {named(name)} holds NaN or infinite values; the checkpoint is damaged")
+
+
+def decoder_from_llama_tensors(
+    cfg: DecoderConfig,
+    tensors: dict[str, np.ndarray],
+    where: Path,
+    vocab_size: int | None = None,
+    keys: dict[str, str] = HF_KEYS,
+    named: Callable[[str], str] = str,
+    **settings: Any,
+) -> Decoder:
+    """A stagelm Decoder holding transformers' Llama state dict `tensors` (name → (out, in) arrays), checked
+    first (`check_llama_tensors`). `vocab_size` beyond the checkpoint's grows the embedding (and an untied
+    head) for tokens added to its tokenizer, new rows at the mean of the others; `settings` are run settings."""
+    check_llama_tensors(cfg, tensors, where, keys, named)
     trained_vocab = cfg.vocab_size
     cfg = dataclasses.replace(cfg, vocab_size=max(vocab_size or 0, trained_vocab), **settings)
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff

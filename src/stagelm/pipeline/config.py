@@ -25,6 +25,7 @@ POSITIVE = (lambda v: v > 0, "a positive {type}")
 NON_NEGATIVE = (lambda v: v >= 0, "a non-negative {type}")
 FRACTION = (lambda v: 0 < v < 1, "a {type} in (0, 1)")
 UNIT = (lambda v: 0 <= v <= 1, "a {type} in [0, 1]")
+DECAY = (lambda v: 0 <= v < 1, "a {type} in [0, 1) (at 1 the average never moves and Adam divides by 0)")
 MESH_AXIS = (lambda v: v == -1 or v >= 1, "-1 (infer) or a positive {type}")
 SEED = (lambda v: 0 <= v < 2**32, "an {type} in [0, 2**32)")  # what jax.random.key and numpy's generators take
 
@@ -101,10 +102,12 @@ class DataConfig:
 
 
 def inside(pattern: str, folder: str) -> bool:
-    """Whether the files a path or glob names lie within `folder` (by their paths, before any glob)."""
+    """Whether the files a path or glob names lie within `folder` (by their real paths, before any
+    glob: a symbolic link under `folder` to a place outside it is outside, since DVC hashes the
+    link, never what it points to)."""
     parts = Path(pattern).parts
     fixed = Path(*[p for p in itertools.takewhile(lambda p: not glob.has_magic(p), parts)] or ["."])
-    base, root = os.path.abspath(os.path.expanduser(fixed)), os.path.abspath(os.path.expanduser(folder))
+    base, root = os.path.realpath(os.path.expanduser(fixed)), os.path.realpath(os.path.expanduser(folder))
     return base == root or base.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -217,8 +220,8 @@ class OptimizerConfig:
     decay_fraction: float = param("wsd only: share of the steps spent decaying", UNIT)
     weight_decay: float = param("AdamW's decoupled weight decay (never on norms)", NON_NEGATIVE)
     decay_embeddings: bool = param("apply weight decay to the embeddings too")
-    beta1: float = param("Adam's first-moment decay", UNIT)
-    beta2: float = param("Adam's second-moment decay", UNIT)
+    beta1: float = param("Adam's first-moment decay", DECAY)
+    beta2: float = param("Adam's second-moment decay", DECAY)
     eps: float = param("Adam's epsilon", POSITIVE)
     grad_clip: float = param("global-norm gradient clip; 0 = off", NON_NEGATIVE)
     steps: int = param("optimizer steps", POSITIVE)
@@ -367,7 +370,10 @@ class DistillConfig(TrainingConfig):
     batch_key: ClassVar[str] = "distill.batch_size"
 
     alpha: float = param("weight of the soft term alpha·T²·KL(teacher‖student); 1 - alpha goes to the hard CE", UNIT)
-    temperature: float = param("temperature T of both distributions in the soft term", POSITIVE)
+    temperature: float = param(
+        "temperature T of both distributions in the soft term",
+        (lambda v: 0 < v <= 100, "a {type} in (0, 100] (the soft term is scaled by T², which overflows beyond)"),
+    )
     kl: str = param(
         "the soft term's direction: forward KL(teacher‖student) or reverse KL(student‖teacher) (MiniLLM)",
         one_of("forward", "reverse"),
@@ -428,7 +434,10 @@ class GrpoConfig(OptimizerConfig):
     )
     dynamic_sampling: bool = param("drop groups whose samples all scored alike and draw more prompts (DAPO)")
     max_draws: int = param("dynamic sampling: prompt batches drawn per rollout at most", POSITIVE)
-    kl_coef: float = param("weight of the k3 KL to the reference on the rollouts' tokens; 0 = off", NON_NEGATIVE)
+    kl_coef: float = param(
+        "weight of the k3 KL to the reference on the rollouts' tokens; 0 = off",
+        (lambda v: 0 <= v <= 1000, "a {type} in [0, 1000] (beyond, the KL term overflows the loss)"),
+    )
     anchor_coef: float = param(
         "weight of the k3 KL to the reference on SFT answers of the unrewarded families; 0 = off", NON_NEGATIVE
     )  # weight of the KL to the reference on SFT rows (0: none)
@@ -459,6 +468,10 @@ class GrpoConfig(OptimizerConfig):
             raise StagelmError(
                 f"{prefix}.grad_accum: {self.grad_accum} does not divide {prefix}.prompts_per_step "
                 f"{self.prompts_per_step} (each micro-batch holds whole groups)"
+            )
+        if self.objective == "grpo" and self.positive_weight == 0 and self.negative_weight == 0:
+            raise StagelmError(
+                f"{prefix}.positive_weight: 0 with {prefix}.negative_weight 0 trains on no sample; set one above 0"
             )
         if not self.families:  # the names are checked against stagelm.tasks by the grpo stage and `stagelm check`
             raise StagelmError(f"{prefix}.families: empty list; name the rl task families to reward")
@@ -499,8 +512,9 @@ class ExportConfig:
     """What the export stages write beside the transformers checkpoint."""
 
     gguf_dtype: str = param(
-        "dtype of model.gguf's matrices (llama.cpp): float32, float16 or bfloat16; norms stay float32",
-        one_of("float32", "float16", "bfloat16"),
+        "dtype of model.gguf's matrices (llama.cpp): float32, float16, bfloat16, or q8_0 / q4_0 (blocks of 32; "
+        "a matrix whose rows are not a multiple of 32 stays float16); norms stay float32",
+        one_of("float32", "float16", "bfloat16", "q8_0", "q4_0"),
     )
 
 

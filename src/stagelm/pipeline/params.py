@@ -204,8 +204,6 @@ def require_init_inside_inputs(model: ModelConfig, data: DataConfig) -> None:
 
 # Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update
 # at the default training.lr (3e-3) took SmolLM2-135M's loss from 2.41 to 13.93 (issue 47).
-# Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update
-# at the default training.lr (3e-3) took SmolLM2-135M's loss from 2.41 to 13.93 (issue 47).
 FINE_TUNING_LR = {"training": 3e-4, "sft": 3e-4, "distill": 3e-4, "grpo": 1e-4}
 
 
