@@ -10,7 +10,6 @@ one warm-up call. Prints one JSON line per measurement.
 import argparse
 import json
 import statistics
-import time
 
 import jax
 import numpy as np
@@ -18,19 +17,10 @@ from flax import nnx
 from tokenizers import Tokenizer, models
 
 from stagelm.infer.generate import Generator, load_generator
+from stagelm.measure.timing import timed
 from stagelm.model.decoder import Decoder, DecoderConfig
 
 PRESETS = {"tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688)}
-
-
-def timed(fn, reps: int) -> list[float]:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def main() -> None:
@@ -56,14 +46,14 @@ def main() -> None:
         def cached(prompts=prompts):
             return gen.generate(prompts, args.new_tokens, until_stop=False)
 
-        times = timed(cached, args.reps)
+        times = timed(cached, 1, args.reps)
         rates = {"cached": batch * args.new_tokens / statistics.median(times)}
         if args.naive:
-            naive_times = timed(lambda p=prompts: jax.block_until_ready(gen.naive_generate(p, args.new_tokens)), 2)
+            naive_times = timed(lambda p=prompts: jax.block_until_ready(gen.naive_generate(p, args.new_tokens)), 1, 2)
             rates["naive"] = batch * args.new_tokens / statistics.median(naive_times)
         layout = gen.layout(prompts, args.new_tokens)
         prefill = statistics.median(
-            timed(lambda layout=layout: jax.block_until_ready(gen._prefill(gen.params, *layout)), args.reps)
+            timed(lambda layout=layout: jax.block_until_ready(gen._prefill(gen.params, *layout)), 1, args.reps)
         )
         print(
             json.dumps(

@@ -265,7 +265,7 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp
     ("change", "message"),
     [
         ({"alpha": 1.5}, "distill.alpha: expected a float in [0, 1], got 1.5"),
-        ({"temperature": 0}, "distill.temperature: expected a positive float, got 0"),
+        ({"temperature": 0}, "distill.temperature: expected a float in (0, 100] (the soft term is scaled by T²"),
         (
             {"student": {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 32, "vocab_size": 999}},
             "distill.student.vocab_size: 999 differs from the teacher's",
