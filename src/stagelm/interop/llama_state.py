@@ -184,14 +184,14 @@ def decoder_from_llama_tensors(
     tensors: dict[str, np.ndarray],
     where: Path,
     vocab_size: int | None = None,
-    keys: dict[str, str] = HF_KEYS,
+    keys: dict[str, str] | None = None,
     named: Callable[[str], str] = str,
     **settings: Any,
 ) -> Decoder:
     """A stagelm Decoder holding transformers' Llama state dict `tensors` (name → (out, in) arrays), checked
     first (`check_llama_tensors`). `vocab_size` beyond the checkpoint's grows the embedding (and an untied
     head) for tokens added to its tokenizer, new rows at the mean of the others; `settings` are run settings."""
-    check_llama_tensors(cfg, tensors, where, keys, named)
+    check_llama_tensors(cfg, tensors, where, keys or HF_KEYS, named)
     trained_vocab = cfg.vocab_size
     cfg = dataclasses.replace(cfg, vocab_size=max(vocab_size or 0, trained_vocab), **settings)
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
