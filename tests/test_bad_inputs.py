@@ -638,6 +638,11 @@ GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
         "llama.block_count is 1000 but tensor blk.1.attn_norm.weight is missing",
     ),
     ({}, {"blk.0.attn_q.bias": np.zeros(16, np.float32)}, "blk.0.attn_q.bias"),
+    ({"tokenizer.ggml.tokens": None}, {}, "tokenizer.ggml.tokens is missing or not a list of strings"),
+    ({"tokenizer.ggml.token_type": ([1, 1], "ARRAY", "INT32")}, {}, "tokenizer.ggml.token_type has 2 entries for"),
+    ({"tokenizer.ggml.merges": (["ab"], "ARRAY", "STRING")}, {}, "tokenizer.ggml.merges holds 'ab', not two tokens"),
+    ({"tokenizer.ggml.eos_token_id": (10**6, "UINT32")}, {}, "tokenizer.ggml.eos_token_id 1000000 is not a token id"),
+    ({"llama.vocab_size": (8, "UINT32")}, {}, "tokenizer.ggml.tokens holds 300 tokens but llama.vocab_size is 8"),
     ({}, {"blk.0.attn_q.weight": np.zeros((15, 16), np.float32)}, "has shape (15, 16), but llama.attention.head_count"),
 ]
 
@@ -649,7 +654,7 @@ def test_import_gguf_checks_what_import_hf_checks(monkeypatch, capsys, model_dir
     good = tmp_path / "good.gguf"
     monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(good)])
     cli.main()
-    fields = {k: None if v is None else (v[0], gguf.GGUFValueType[v[1]]) for k, v in fields.items()}
+    fields = {k: None if v is None else (v[0], *(gguf.GGUFValueType[t] for t in v[1:])) for k, v in fields.items()}
     bad = rewritten_gguf(good, tmp_path / "bad.gguf", fields, tensors)
     err = stagelm(monkeypatch, capsys, "import-gguf", str(bad), str(tmp_path / "out"))
     assert words in err

@@ -9,6 +9,8 @@ the chat spec from the template and the special token ids. Other pre-tokenizers,
 sentencepiece vocabularies, are refused in one line.
 """
 
+import collections
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -161,9 +163,7 @@ def gguf_tokenizer(reader: Any, path: Path) -> Any:
             f"{path}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer stagelm rebuilds ({sorted(PRE_TOKENIZERS)}); "
             "import the model's transformers folder instead"
         )
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    types = field(reader, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
+    tokens, types, merges = gguf_vocabulary(reader, path)
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if PRE_TOKENIZERS[pre] == "digits":
@@ -183,12 +183,45 @@ def gguf_tokenizer(reader: Any, path: Path) -> Any:
     return tok
 
 
+def gguf_vocabulary(reader: Any, path: Path) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """(tokens, their types, merges) of a GGUF's byte-level BPE, each checked: a list of distinct
+    strings, one type per token, merges of two tokens the vocabulary holds."""
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise StagelmError(f"{path}: tokenizer.ggml.tokens is missing or not a list of strings; the file is damaged")
+    repeated = next((t for t, n in collections.Counter(tokens).items() if n > 1), None)
+    if repeated is not None:
+        raise StagelmError(f"{path}: tokenizer.ggml.tokens holds {repeated!r} twice; the file is damaged")
+    types = field(reader, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise StagelmError(
+            f"{path}: tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no list of'} "
+            f"entries for {len(tokens)} tokens; the file is damaged"
+        )
+    vocab, merges = set(tokens), []
+    for m in field(reader, "tokenizer.ggml.merges") or []:
+        pair = tuple(m.split(" ", 1)) if isinstance(m, str) else ()
+        if len(pair) != 2 or not set(pair) <= vocab:
+            raise StagelmError(
+                f"{path}: tokenizer.ggml.merges holds {str(m)[:40]!r}, not two tokens of the vocabulary; "
+                "the file is damaged"
+            )
+        merges.append(pair)
+    return tokens, types, merges
+
+
 def gguf_chat_spec(reader: Any, tok: Any, path: Path) -> dict[str, Any]:
     """chat.json (stagelm.data.chatformat) of a GGUF's template (None without one) and special token ids."""
 
     def spelled(key: str) -> str | None:
         index = field(reader, f"tokenizer.ggml.{key}")
-        return tok.id_to_token(int(index)) if index is not None else None
+        if index is None:
+            return None
+        if not isinstance(index, numbers.Integral) or not 0 <= index < tok.get_vocab_size():
+            raise StagelmError(
+                f"{path}: tokenizer.ggml.{key} {str(index)[:40]} is not a token id (0 to {tok.get_vocab_size() - 1})"
+            )
+        return tok.id_to_token(int(index))
 
     eos = spelled("eos_token_id")
     if eos is None:
@@ -213,6 +246,11 @@ def import_gguf(path: str | Path, vocab_size: int | None = None, **settings: Any
     reader = open_gguf(path)
     cfg, context = gguf_config(reader, path)
     tok = gguf_tokenizer(reader, path)
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise StagelmError(
+            f"{path}: tokenizer.ggml.tokens holds {tok.get_vocab_size()} tokens but llama.vocab_size is "
+            f"{cfg.vocab_size}; tokens beyond the embedding could never be read"
+        )
     spec = gguf_chat_spec(reader, tok, path)
     tensors = gguf_tensors(reader, cfg, path)
     model = decoder_from_llama_tensors(cfg, tensors, path, vocab_size, GGUF_KEYS, gguf_name, **settings)
