@@ -387,8 +387,15 @@ SIZES = [  # (script, params edit, the start of the one-line error)
     ("pretrain.py", {"training": {"batch_size": 10_000}}, "training.batch_size: 10000 × training.grad_accum 1 rows"),
     ("eval.py", {"eval": {"max_new_tokens": 100_000_000}}, "eval.max_new_tokens: generating "),
     ("benchmark.py", {"benchmark": {"matmul_size": 10_000_000}}, "benchmark.matmul_size: the benchmark's matmul"),
-    ("benchmark.py", {"benchmark": {"seq_len": 100_000_000}}, "benchmark.seq_len: the benchmark's seq_len measure"),
-    ("benchmark.py", {"benchmark": {"new_tokens": 10_000_000}}, "benchmark.new_tokens: the benchmark's new_tokens"),
+    ("benchmark.py", {"benchmark": {"seq_len": 100_000_000}}, "benchmark.seq_len: the benchmark's train step"),
+    (
+        "benchmark.py",
+        {"benchmark": {"batch_size": 100_000}},
+        "benchmark.batch_size (or benchmark.seq_len): a train step of 100000 rows",
+    ),
+    ("benchmark.py", {"benchmark": {"vocab_size": 100_000_000}}, "benchmark.vocab_size: the benchmark's model state"),
+    ("benchmark.py", {"benchmark": {"new_tokens": 10_000_000}}, "benchmark.new_tokens: the benchmark's decoding"),
+    ("benchmark.py", {"benchmark": {"prompt_len": 100_000}}, "benchmark.prompt_len: the benchmark's decoding"),
     ("download.py", {"data": {"num_documents": 10_000_000_000}}, "data.num_documents: generating 10,000,000,000"),
 ]
 

@@ -85,7 +85,19 @@ LOADER_BATCHES = 20  # batches drawn per timed loader call
 def require_benchmark_memory(cfg: BenchmarkConfig) -> None:
     """Every size of the section checked before anything is allocated, one line naming its key."""
     for key, need in benchmark_bytes(cfg).items():
-        require_memory(need, key, f"the benchmark's {key.split('.')[1]} measure")
+        require_memory(need, key, f"the benchmark's {MEASURES[key]}")
+
+
+# What each key of `footprint.benchmark_bytes` sizes, as its refusal says it.
+MEASURES = {
+    "benchmark.matmul_size": "matmul",
+    "benchmark.vocab_size": "model state (parameters, gradients, Adam's moments; mostly the embedding)",
+    "benchmark.n_layers": "model state (parameters, gradients, Adam's moments)",
+    "benchmark.batch_size": "train step (batch_size × seq_len tokens)",
+    "benchmark.seq_len": "train step (batch_size × seq_len tokens)",
+    "benchmark.prompt_len": "decoding (prompt_len + new_tokens positions)",
+    "benchmark.new_tokens": "decoding (prompt_len + new_tokens positions)",
+}
 
 
 def measure_all(cfg: BenchmarkConfig, rows: PackedRows) -> tuple[dict[str, list[float]], float]:

@@ -90,19 +90,23 @@ def train_step_floor_bytes(cfg: Any, rows: int, seq_len: int) -> int:
 
 
 def benchmark_bytes(cfg: Any) -> dict[str, int]:
-    """What each of the benchmark stage's measures allocates (`config.BenchmarkConfig`), by key:
-    the matmul, the train step's state and floor (the compiled step is checked as the training
-    stages check theirs), and cached and naive decoding at batch 8."""
+    """What each of the benchmark stage's measures allocates (`config.BenchmarkConfig`), under the
+    key that drives it, so a refusal names the key to lower: the matmul; the train step's state
+    (by its larger part: the vocabulary's rows or the layers) and its floor (the compiled step is
+    checked as the training stages check theirs); cached and naive decoding at batch 8."""
     shape = SimpleNamespace(
         vocab_size=cfg.vocab_size, **cfg.shape(), dtype=cfg.dtype, head_dim=cfg.d_model // cfg.n_heads
     )
     n = param_count(cfg.vocab_size, **cfg.shape())
     slots = cfg.prompt_len + cfg.new_tokens
+    embedding = cfg.vocab_size * cfg.d_model
     return {
         "benchmark.matmul_size": 3 * cfg.matmul_size**2 * dtype_bytes(cfg.dtype),
-        "benchmark.seq_len": training_state_bytes(n, "float32")
-        + train_step_floor_bytes(shape, cfg.batch_size, cfg.seq_len),
-        "benchmark.new_tokens": max(
+        "benchmark.vocab_size" if 2 * embedding > n else "benchmark.n_layers": training_state_bytes(n, "float32"),
+        "benchmark.batch_size" if cfg.batch_size > cfg.seq_len else "benchmark.seq_len": train_step_floor_bytes(
+            shape, cfg.batch_size, cfg.seq_len
+        ),
+        "benchmark.prompt_len" if cfg.prompt_len > cfg.new_tokens else "benchmark.new_tokens": max(
             generation_bytes(shape, 8, cfg.prompt_len, cfg.new_tokens),
             2 * 8 * cfg.n_heads * slots * slots * 4 + 8 * slots * cfg.vocab_size * 4,  # naive: whole prefixes
         ),
@@ -116,8 +120,10 @@ def stage_estimates(sections: dict[str, Any]) -> dict[str, int]:
     shape = SimpleNamespace(
         **model.shape(), vocab_size=vocab, dtype=model.dtype, head_dim=model.d_model // model.n_heads
     )
+    shape.remat, shape.attention = model.remat, model.attention  # what pretrain's step keeps
     n = param_count(vocab, **model.shape(), tie_embeddings=model.tie_embeddings)
     ev, grpo, bench = sections["eval"], sections["grpo"], sections["benchmark"]
+    timed = SimpleNamespace(**bench.shape(), vocab_size=bench.vocab_size, dtype=bench.dtype)
     prompt = 64  # a generous prompt width for the task families' prompts
     rollout = grpo.prompts_per_step * grpo.group_size // grpo.grad_accum
     estimates = {
@@ -127,6 +133,7 @@ def stage_estimates(sections: dict[str, Any]) -> dict[str, int]:
         "eval (generation)": generation_bytes(shape, ev.task_batch_size, prompt, ev.max_new_tokens),
         "grpo (sampling a rollout)": generation_bytes(shape, rollout, prompt, grpo.max_new_tokens),
         **{f"benchmark ({key})": need for key, need in benchmark_bytes(bench).items()},
+        "benchmark (a train step's activations)": train_step_bytes(timed, bench.batch_size, bench.seq_len),
     }
     if sections["data"].source == "synthetic":
         memory, _ = synthetic_corpus_bytes(sections["data"])
