@@ -175,7 +175,7 @@ def check_llama_tensors(
             raise StagelmError(
                 f"{where}: tensor {named(name)} is {values.dtype}; stagelm imports floating-point weights"
             )
-        if not np.isfinite(values.astype(np.float32)).all():
+        if not np.isfinite(values.astype(np.float32, copy=False)).all():  # no copy of float32 weights
             raise StagelmError(f"{where}: tensor {named(name)} holds NaN or infinite values; the checkpoint is damaged")
 
 
@@ -196,10 +196,8 @@ def decoder_from_llama_tensors(
     cfg = dataclasses.replace(cfg, vocab_size=max(vocab_size or 0, trained_vocab), **settings)
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
 
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise StagelmError(f"{where}: weight {name} missing")
-        return tensors[name].astype(np.float32)
+    def get(name: str) -> np.ndarray:  # present and of its shape: check_llama_tensors said so
+        return tensors[name].astype(np.float32, copy=False)
 
     def grown(rows: np.ndarray) -> np.ndarray:  # (trained vocab, d) → (cfg.vocab_size, d)
         if len(rows) != trained_vocab:
