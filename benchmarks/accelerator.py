@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,7 +84,9 @@ def splash_check(t: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int
     }
 
 
-def train_entry(name: str, seq_len: int, batch: int, accum: int, remat: str, scan: bool, steps: int) -> dict:
+def train_entry(
+    name: str, seq_len: int, batch: int, accum: int, remat: str, scan: bool, steps: int, profile: bool = False
+) -> dict:
     shape = SHAPES[name]
     cfg = DecoderConfig(**shape, dtype="bfloat16", param_dtype="float32", remat=remat, scan_layers=scan)
     entry = {
@@ -115,7 +118,10 @@ def train_entry(name: str, seq_len: int, batch: int, accum: int, remat: str, sca
         )
 
     try:
-        out = bench_train(cfg, seq_len, batch, 1, steps, accumulation=accum, check=memory)
+        with tempfile.TemporaryDirectory() as trace:
+            out = bench_train(
+                cfg, seq_len, batch, 1, steps, accumulation=accum, check=memory, trace_dir=trace if profile else None
+            )
     except Exception as exc:  # noqa: BLE001 - a shape that does not fit is a result; the run goes on
         entry["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
         return entry
@@ -127,6 +133,8 @@ def train_entry(name: str, seq_len: int, batch: int, accum: int, remat: str, sca
     entry["mfu"] = entry["tokens_per_sec"] * entry["flops_per_token"] / peak_flops("bfloat16")
     entry["compiled_bytes"] = compiled["bytes"]  # XLA's figure: arguments, temporaries and outputs of the step
     entry["estimated_bytes"] = 4 * entry["params"] * 4 + train_step_bytes(cfg, batch, seq_len)
+    if profile:
+        entry["profile"] = out["profile"]  # where one step's device time goes, by XLA op
     return entry
 
 
@@ -161,6 +169,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="shape names to run (default: all)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per entry (after one warm-up)")
     parser.add_argument("--no-decode", action="store_true", help="train entries only")
+    parser.add_argument("--unscanned", action="store_true", help="leave out the scanned entries")
+    parser.add_argument("--profile", action="store_true", help="profile one more step of each train entry")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later entries are left out")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -177,12 +187,12 @@ def main() -> None:
         "left_out": [],
     }
     for name, seq_len, batch, accum, remat, scan in RUNS:
-        if args.only and name not in args.only:
+        if args.only and name not in args.only or args.unscanned and scan:
             continue
         if time.perf_counter() - start > args.budget:
             result["left_out"].append(dict(name=name, seq_len=seq_len, batch=batch, accumulation=accum, remat=remat))
             continue
-        entry = train_entry(name, seq_len, batch, accum, remat, scan, args.steps)
+        entry = train_entry(name, seq_len, batch, accum, remat, scan, args.steps, args.profile)
         print(json.dumps(entry), flush=True)
         result["train"].append(entry)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -3,7 +3,8 @@
     python benchmarks/accelerator_table.py            # rewrite the tables in docs/accelerators.md
     python benchmarks/accelerator_table.py --check    # exit 1 when the page is not what the files give
 
-Every train entry of every file is a row, the files in name order; decoding entries form the second table.
+Every train entry of every file is a row, the files in name order; decoding entries form the second
+table, and the profiled entries (`--profile`) the third.
 """
 
 import argparse
@@ -21,6 +22,10 @@ def tables(files: list[Path]) -> str:
         "| file | shape | heads × size | seq | rows (micro × accum) | remat | scan | tok/s | MFU | first step (s) "
         "| XLA bytes | estimate |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    profile = [
+        "| file | shape | heads × size | MFU | splash kernels | copies | gradient sums | largest op kinds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     decode = [
         "| file | shape | batch | tok/s | bandwidth bound (tok/s) | of the bound |",
@@ -45,6 +50,16 @@ def tables(files: list[Path]) -> str:
                 f"| {tag} | {head} | {e['tokens_per_sec'] / 1e3:.1f}k | {e['mfu']:.1%} | "
                 f"{e['first_step_seconds']:.1f} | {memory} |"
             )
+        for e in result["train"]:
+            if e.get("profile"):
+                shares = e["profile"]["shares"]
+                attention = sum(v for k, v in shares.items() if k.startswith("splash"))
+                copies = sum(v for k, v in shares.items() if k.split("-")[0] == "copy")
+                top = ", ".join(f"{k} {v:.0%}" for k, v in list(shares.items())[:4])
+                profile.append(
+                    f"| {tag} | {e['name']} | {e['n_heads']} × {e['head_dim']} | {e['mfu']:.1%} | "
+                    f"{attention:.0%} | {copies:.0%} | {shares.get('select_add_fusion', 0):.0%} | {top} |"
+                )
         for e in result.get("decode", []):
             decode.append(
                 f"| {tag} | {e['name']} | {e['decode_batch']} | {e['tokens_per_sec']:,.0f} | "
@@ -54,6 +69,8 @@ def tables(files: list[Path]) -> str:
         "\n".join(train)
         + "\n\nDecoding (bf16 weights, 128 prompt + 128 new tokens, greedy, KV cache):\n\n"
         + "\n".join(decode)
+        + "\n\nWhere one step's device time goes (`--profile`: shares of the XLA ops' time, by op kind):\n\n"
+        + "\n".join(profile)
     )
 
 

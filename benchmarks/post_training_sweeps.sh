@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo8 | distill1 | distill2 | seeds}" in
+case "${1:?which sweep: grpo1 … grpo8 | distill1 | distill2 | distill3 | seeds}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -89,6 +89,11 @@ case "${1:?which sweep: grpo1 … grpo8 | distill1 | distill2 | seeds}" in
     ;;
   distill2)  # seed 0: a student from random weights (where a teacher has the most to give)
     $Q distill.init=scratch distill.alpha=0.5,1.0 distill.temperature=1.0,2.0 --prefix d2scratch
+    ;;
+  distill3)  # seeds 0, 1, 2 (issue 56): sequence-level KD, half the steps on the teacher's greedy answers to the
+    # SFT prompts, from the pruned teacher (today's start) and from random weights; each beside its own control
+    $Q distill.sequence=0.5 --seeds 0 1 2 --prefix d3seq
+    $Q distill.sequence=0.5 distill.init=scratch --seeds 0 1 2 --prefix d3seqscratch
     ;;
   *) echo "unknown sweep $1" >&2; exit 2 ;;
 esac

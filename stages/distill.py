@@ -5,8 +5,9 @@
         --checkpoints runs/.checkpoints/distill
 
 The student (`distill.student`, pruned from the teacher or from scratch: stagelm.post.student)
-learns on `distill.data`'s rows, and on `distill.on_policy` of the steps on its own answers to
-the SFT prompts of `--raw` (stagelm.post.distill); val/loss is its own next-token loss.
+learns on `distill.data`'s rows, on `distill.on_policy` of the steps on its own answers to
+the SFT prompts of `--raw`, and on `distill.sequence` of them on the teacher's answers to those
+prompts (stagelm.post.distill); val/loss is its own next-token loss.
 `--control` trains the same student with the teacher's terms off (no `--raw`): what
 distillation is measured against. It reads none of the keys in UNREAD_WITH.
 """
@@ -14,7 +15,7 @@ distillation is measured against. It reads none of the keys in UNREAD_WITH.
 from pathlib import Path
 
 from stagelm.data.loader import PackedRows
-from stagelm.infra.errors import StagelmError, run_main
+from stagelm.infra.errors import run_main
 from stagelm.model.decoder import count_params
 from stagelm.model.modeldir import PARAMS_FILE, read_model_config, read_model_context, save_model
 from stagelm.pipeline.params import load_section, load_seed, section_dict
@@ -24,6 +25,7 @@ from stagelm.post.student import (
     check_student,
     distill_rows,
     distill_splits,
+    generated_steps,
     make_distiller,
     on_policy_batches,
 )
@@ -31,7 +33,8 @@ from stagelm.train.loop import train
 from stagelm.train.run import record_training, start_training, training_run
 
 # The keys the control run does not read, for `stagelm deps` and dvc.yaml.
-UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature", "distill.kl", "distill.on_policy"]}
+UNREAD_WITH = {"--control": ["distill.alpha", "distill.temperature", "distill.kl", "distill.on_policy",
+                             "distill.sequence", "distill.sequence_temperature"]}  # fmt: skip
 
 
 def main() -> None:
@@ -44,8 +47,7 @@ def main() -> None:
     cfg = load_section(stage.params, "distill")
     if args.control:  # keys it does not read leave its fingerprint (and DVC's params) alone
         stage.name, cfg = "distill_control", as_control(cfg)
-    if cfg.on_policy > 0 and args.raw is None:
-        raise StagelmError(f"distill.on_policy: {cfg.on_policy} samples SFT prompts; pass --raw <download folder>")
+    generated = generated_steps(cfg, args.raw)  # steps on answers to the SFT prompts
     seed = load_seed(stage.params)
 
     check_student(cfg, read_model_config(args.teacher), args.teacher)
@@ -54,16 +56,16 @@ def main() -> None:
     read = {"distill": section_dict(cfg), "seed": seed, "control": args.control}
     inputs = {"teacher": args.teacher / PARAMS_FILE, "val": args.val / "manifest.json"}
     inputs |= {f"data_{i}": d / "manifest.json" for i, d in enumerate(splits)}
-    inputs |= {"raw": args.raw / "manifest.json"} if cfg.on_policy > 0 else {}
+    inputs |= {"raw": args.raw / "manifest.json"} if generated else {}
     run = training_run(stage, mesh, seed, read, inputs)
 
     model, init = make_distiller(cfg, args.teacher, seed)
-    batches = on_policy_batches(cfg, model, rows, args.teacher, args.raw, seed) if cfg.on_policy > 0 else None
+    batches = on_policy_batches(cfg, model, rows, args.teacher, args.raw, seed) if generated else None
     n_student, n_teacher = count_params(model.student), count_params(model.teacher)
     print(
         f"distill: student {n_student:,} params from teacher {n_teacher:,} (init: {init}); alpha {cfg.alpha}, "
-        f"T {cfg.temperature}, {cfg.kl} KL, data {cfg.data}, on-policy share {cfg.on_policy}; "
-        f"fingerprint {run.fingerprint}",
+        f"T {cfg.temperature}, {cfg.kl} KL, data {cfg.data}, on-policy share {cfg.on_policy}, "
+        f"teacher-answer share {cfg.sequence}; fingerprint {run.fingerprint}",
         flush=True,
     )
     result = train(model, cfg, rows, val_rows, run, batches=batches, **distill_objective(cfg, args.control))

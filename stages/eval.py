@@ -24,6 +24,7 @@ from stagelm.measure.evaluation import (
     answer_tasks,
     generation_capacity,
     limit_per_family,
+    require_eval_context,
     require_eval_memory,
     sampled_metrics,
     task_metrics,
@@ -54,9 +55,10 @@ def main() -> None:
     tasks = limit_per_family(read_raw(args.raw, "eval").to_pylist(), cfg.max_examples)
     context, chat = read_model_context(args.model), load_chat_format(tok, args.model)
     capacity, longest = generation_capacity(chat, tasks, context, cfg.max_new_tokens)
+    require_eval_memory(model.cfg, cfg, tasks, longest)
+    require_eval_context(cfg, longest, context)
     if capacity > context:
         print(f"eval@{args.name}: eval prompts need {capacity} positions, beyond the trained context of {context}")
-    require_eval_memory(model.cfg, cfg, tasks, longest)
     gen = Generator(model, tok, capacity, chat)
     records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
     metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)

@@ -71,7 +71,15 @@ MICRO = {
         "keep_checkpoints": 2,
         "lr": 3e-3,
     },
-    "eval": {"batch_size": 8, "task_batch_size": 32, "max_new_tokens": 12, "pass_k": 4, "pass_k_prompts": 10},
+    "eval": {
+        "batch_size": 8,
+        "task_batch_size": 32,
+        "max_new_tokens": 12,
+        "pass_k": 4,
+        "pass_k_prompts": 10,
+        "temperatures": [0.5, 1.0],
+        "temperature_prompts": 10,
+    },
     "sample": {"max_new_tokens": 16, "prompts": ["Once upon a time,", "Work out 41 plus 17:"]},
     "sft": {
         "steps": 10,

@@ -430,6 +430,21 @@ def test_eval_counts_what_generating_long_answers_allocates(capsys, micro_data, 
     assert not [p for p in tmp_path.iterdir() if p.name != "params.yaml"]
 
 
+def test_eval_answers_stop_at_twice_the_trained_context(capsys, micro_data, pretrained, tmp_path, monkeypatch):
+    """Round five's case on a machine that holds it: answers of up to 100,000 tokens from a model
+    trained on 64 positions would decode for hours in one compiled loop no signal reaches."""
+    from stagelm.infra import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", micro_params(eval={"max_new_tokens": 100_000}))
+    code, err = run_in_process(stage_cmd("eval.py", micro_data, pretrained), capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: eval.max_new_tokens: 100000 plus the longest eval prompt (")
+    assert "passes 2× the model's trained context of 64 positions; lower it to at most " in err
+    assert not [p for p in tmp_path.iterdir() if p.name != "params.yaml"]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -673,6 +688,16 @@ CHAT_FILES = [  # (file, contents, words of the error)
     ("generation_config.json", {"eos_token_id": 10**30}, "eos_token_id 1000000000000000000000000000000 is not a"),
     ("tokenizer_config.json", {"chat_template": ["x", 3]}, "chat_template is a list of something other than"),
     ("tokenizer_config.json", {"chat_template": 3}, "tokenizer_config.json: chat_template is int; expected a Jinja"),
+    (
+        "tokenizer_config.json",
+        {"chat_template": "{% for %}"},
+        "tokenizer_config.json: the chat template does not parse",
+    ),
+    (
+        "tokenizer_config.json",
+        {"chat_template": "{{ 10**(10**8) }}"},
+        "tokenizer_config.json: the chat template raises",
+    ),
 ]
 
 
@@ -699,3 +724,40 @@ def test_a_checkpoint_linked_into_inputs_from_outside_is_outside(monkeypatch, ca
     code, err = run_in_process([sys.executable, str(ROOT / "stages/params.py"), "--out", "stamp.json"], capsys)
     assert code == 2 and err.startswith("error: model.init_from: 'inputs/ckpt' lies outside data.inputs 'inputs'")
     assert not Path("stamp.json").exists()
+
+
+LLAMA_8B = {  # config.json of an 8B Llama (Llama 3's sizes): no weights beside it
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def test_a_checkpoint_is_sized_by_its_config_before_a_weight_is_read(capsys, micro_data, tmp_path, monkeypatch):
+    """`stagelm check` and pretrain size an init_from checkpoint by its own config (8.03 B parameters:
+    120 GiB with gradients and Adam's moments), not the unused model section, and pretrain refuses
+    it in one line before it looks for a weight."""
+    from stagelm.infra import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 24 << 30)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inputs/llama").mkdir(parents=True)
+    (tmp_path / "inputs/llama/config.json").write_text(json.dumps(LLAMA_8B))
+    write_params(tmp_path / "params.yaml", micro_params(model={"init_from": "hf:inputs/llama"}))
+    monkeypatch.setattr(sys, "argv", ["stagelm", "check", "--pipeline", str(ROOT / "dvc.yaml")])
+    cli.main()
+    out = capsys.readouterr().out
+    assert "warning: model (parameters, gradients, Adam's moments): about 119.7 GiB of " in out, out
+    code, err = run_in_process(stage_cmd("pretrain.py", micro_data), capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: model.init_from: inputs/llama: 8,030,261,248 parameters with their gradients"), err
+    assert "start from a smaller checkpoint" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs", "params.yaml"]

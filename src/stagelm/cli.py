@@ -85,8 +85,13 @@ def print_estimates(sections: dict) -> None:
         disk, free = synthetic_corpus_bytes(sections["data"])[1], shutil.disk_usage(".").free
         fits = "ok" if disk <= free else "warning"
         print(f"{fits}: download (the synthetic corpus on disk): about {gib(disk)} of {gib(free)}")
+    checkpoint = None
+    if sections["model"].init_from is not None:  # its own sizes, from its config alone
+        from stagelm.interop.checkpoint import checkpoint_config, checkpoint_source
+
+        checkpoint = checkpoint_config(checkpoint_source(sections["model"].init_from))[0]
     have = host_available()
-    for what, need in stage_estimates(sections).items():
+    for what, need in stage_estimates(sections, checkpoint).items():
         fits = have is None or need + HEADROOM <= have
         print(f"{'ok' if fits else 'warning'}: {what}: about {gib(need)}" + (f" of {gib(have)}" if have else ""))
 

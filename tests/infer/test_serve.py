@@ -3,6 +3,7 @@ against real server processes on free loopback ports."""
 
 import http.client
 import json
+import shutil
 import socket
 import subprocess
 import threading
@@ -17,6 +18,7 @@ from flax import nnx
 from serve_process import NAME, Server
 from tokenizers import Tokenizer
 
+from stagelm.data.chatformat import MAX_RENDER_SECONDS, write_chat_spec
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.model.modeldir import save_model
 
@@ -501,3 +503,50 @@ def test_slow_clients_cannot_lock_out_a_good_one(long_model, tmp_path):
             s.close()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_model_from_elsewhere_brings_its_template_under_budget_and_its_sampling_default(long_model, tmp_path):
+    """A chat template is code from elsewhere: one that loops on some content is refused once its
+    time budget is spent (a 400 naming the budget, not the server's files), and while it runs,
+    rendered off the event loop, other requests are answered. The model's generation_config.json
+    (here temperature 0) is the default of a request that gives no temperature."""
+    model = tmp_path / "model"
+    shutil.copytree(long_model, model)
+    hang = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    template = (
+        "{% for m in messages %}{% if m.content == 'loop' %}" + hang + "{% endif %}"
+        "<|user|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    write_chat_spec(model, {"template": template, "eos_token": "<|eos|>", "pad_token": "<|pad|>", "stop_tokens": []})
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    server = Server(model, tmp_path / "serve.log")
+    try:
+        assert "sampling defaults from its generation_config.json: temperature 0" in server.log.read_text()
+        request = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "n": 2}
+        texts = {}
+        for temperature in (None, 0.0, 1.0):
+            body = request if temperature is None else {**request, "temperature": temperature}
+            status, answer, _ = server.post("/v1/chat/completions", body)
+            assert status == 200
+            texts[temperature] = [c["message"]["content"] for c in answer["choices"]]
+        assert texts[None] == texts[0.0] and texts[None][0] == texts[None][1]  # greedy, by the model's default
+        assert texts[1.0][0] != texts[1.0][1]  # two samples of this untrained model differ
+        looping: dict[str, tuple] = {}
+        body = {"model": NAME, "messages": [{"role": "user", "content": "loop"}], "max_tokens": 2}
+        hog = threading.Thread(target=lambda: looping.update(answer=server.post("/v1/chat/completions", body)))
+        hog.start()
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        assert server.get("/v1/models")[0] == 200
+        quick = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        status, answer, _ = server.post("/v1/chat/completions", quick)
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+        assert time.perf_counter() - t0 < MAX_RENDER_SECONDS / 2  # answered while the loop still runs
+        assert hog.is_alive()
+        hog.join()
+        status, error, seconds = looping["answer"]
+        assert status == 400 and seconds < MAX_RENDER_SECONDS + 2, (status, error, seconds)
+        assert error["error"]["message"] == f"the chat template took more than {MAX_RENDER_SECONDS:g} s to render"
+        assert error["error"]["param"] == "messages"
+    finally:
+        server.stop()

@@ -92,6 +92,7 @@ def test_training_checkpoints_and_exports_on_a_full_disk_are_one_line(pretrained
     run(["stagelm", "export-hf", str(pretrained), str(tmp_path / "hf")], tmp_path)
     imported = run(["stagelm", "import-hf", str(tmp_path / "hf"), str(disk / "imported")], tmp_path, check=False)
     one_line(imported, f"{disk}/", "no space left on the device")
+    assert not [p for p in disk.iterdir() if "import" in p.name]  # no folder, empty or half-written
 
 
 def test_a_read_only_folder_is_one_line(micro_data, pretrained, tmp_path, mount):

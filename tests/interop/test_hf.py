@@ -398,3 +398,31 @@ def test_a_q8_0_gguf_export_reads_alike_in_transformers_and_stagelm(micro_data, 
     with torch.no_grad():
         hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert Generator(back, tok, 64).generate([ids], 12, until_stop=False)[0].tokens == hf_out[0, len(ids) :].tolist()
+
+
+def test_a_best_temperature_travels_from_export_through_import_to_the_server_default(micro_data, tmp_path):
+    """The export's generation_config.json carries the model's sampling default as transformers
+    reads it; import-hf keeps it beside the model, where `stagelm serve` finds it; one out of
+    the server's range is refused in one line naming the file, and nothing is imported."""
+    from stagelm.infer.openai_api import settings
+    from stagelm.interop.import_target import import_into
+    from stagelm.model.modeldir import read_sampling_defaults
+
+    model_dir, _ = stagelm_model(micro_data, tmp_path, tie=True)
+    out = export_hf(model_dir, tmp_path / "hf", {"temperature": 0.6})
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.do_sample is True and generation.temperature == 0.6
+    import_into(out, tmp_path / "imported")
+    assert read_sampling_defaults(tmp_path / "imported") == {"temperature": 0.6}
+    defaults = read_sampling_defaults(tmp_path / "imported")
+    assert settings({}, 4, 16, defaults)["temperature"] == 0.6  # a request that gives none
+    assert settings({"temperature": 0}, 4, 16, defaults)["temperature"] == 0.0  # one that gives its own
+    assert settings({}, 4, 16)["temperature"] == 1.0  # OpenAI's default, for a model without one
+    again = export_hf(tmp_path / "imported", tmp_path / "hf2")  # an imported model's export keeps it
+    assert json.loads((again / "generation_config.json").read_text())["temperature"] == 0.6
+
+    config = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, "temperature": 7}))
+    with pytest.raises(StagelmError, match=r"generation_config\.json: temperature 7 is not in \[0, 2\]; fix or remove"):
+        import_into(out, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

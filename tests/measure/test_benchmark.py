@@ -97,3 +97,21 @@ def test_benchmark_needs_a_naive_repetition(micro_data, tmp_path, capsys):
     (line,) = stderr.strip().splitlines()
     assert line == "error: benchmark.naive_repetitions: expected a positive int, got 0"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_profile_groups_ops_by_kind_and_counts_a_loop_once():
+    """The device time of a step by XLA op kind: numbered ops of one kind add up, and the `while`
+    op holding the micro-batches' body (whose ops the trace lists too) is not counted twice."""
+    from stagelm.measure.microbench import op_breakdown
+
+    seconds = {
+        "%while.6 = (s32[], f32[]) while(%tuple.3), condition=%cond, body=%body": 1.0,
+        "%fusion.12 = f32[2,2048]{1,0} fusion(%p.1), kind=kLoop": 0.3,
+        "%fusion.7 = bf16[8]{0} fusion(%p.2), kind=kOutput": 0.2,
+        '%splash_mha_fwd_segmented_residuals.3 = (f32[4]) custom-call(%q), custom_call_target="tpu_custom_call"': 0.4,
+        "%copy.1 = f32[4]{0} copy(%x)": 0.1,
+    }
+    profile = op_breakdown(seconds)
+    assert profile["device_seconds"] == pytest.approx(1.0)
+    assert profile["shares"] == {"fusion": 0.5, "splash_mha_fwd_segmented_residuals": 0.4, "copy": 0.1}
+    assert list(profile["shares"]) == ["fusion", "splash_mha_fwd_segmented_residuals", "copy"]

@@ -8,6 +8,7 @@ import json
 import subprocess
 
 import pytest
+import yaml
 from conftest import env_with_venv, micro_params, run
 
 from stagelm.infra.files import read_json
@@ -63,7 +64,8 @@ def test_bad_experiment_fails_at_once_with_the_params_line(project):
 
 
 def test_queued_experiments_both_finish_and_differ(project, tmp_path):
-    # eval.* reruns only the evals and the report: two queued experiments cost two short runs
+    # eval.* reruns only the evals, the exports (each carries its model's best temperature) and the report:
+    # two queued experiments cost two short runs
     (project / "notes.txt").write_text("a new file, staged before queueing\n")
     run(["git", "add", "notes.txt"], project)
     for n in (10, 20):
@@ -77,8 +79,9 @@ def test_queued_experiments_both_finish_and_differ(project, tmp_path):
     followed = log.read_text()  # each experiment's own log, one after the other
     assert done.returncode == 0, followed
     ran = [line.split("'")[1] for line in followed.splitlines() if line.startswith("Running stage")]
-    each = ["params", *(f"eval@{m}" for m in MODELS), "report"]
-    assert sorted(ran) == sorted(2 * each), ran  # an eval.* edit runs the evals and the report, nothing else
+    exported = yaml.safe_load((project / "dvc.yaml").read_text())["stages"]["export"]["foreach"]
+    each = ["params", *(f"eval@{m}" for m in MODELS), *(f"export@{m}" for m in exported), "report"]
+    assert sorted(ran) == sorted(2 * each), ran  # an eval.* edit runs these, nothing else
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
     revs = [r for e in shown[1]["experiments"] for r in e["revs"]]
     by_name = {r["name"]: r["data"]["metrics"]["runs/eval/pretrain/metrics.json"]["data"] for r in revs}

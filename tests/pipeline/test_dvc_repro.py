@@ -64,6 +64,15 @@ def test_full_repro_produced_every_artifact(project):
     passes = ev["chat_pass_k"]  # eval.pass_k 4 samples of the first pass_k_prompts 10 prompts per family
     assert passes["k"] == 4 and passes["n"] == 10 * len(families)
     assert all(passes[f]["n"] == 10 and 0 <= passes[f]["pass_at_1"] <= passes[f]["pass_at_4"] <= 1 for f in families)
+    temps = ev["chat_temperatures"]  # eval.temperatures [0.5, 1.0] on the first temperature_prompts 10 per family
+    assert list(temps) == ["0.5", "1.0"] and [t["temperature"] for t in temps.values()] == [0.5, 1.0]
+    assert all(t.keys() == ev["chat_sampled"].keys() and t["n"] == 10 * len(families) for t in temps.values())
+    best = max(temps.values(), key=lambda t: t["accuracy"])
+    assert ev["chat_best_temperature"] == best["temperature"]
+    for name in ("pretrain", "sft", "distill", "grpo"):  # each export samples at its model's best temperature
+        generation = read_json(project / f"runs/export/{name}/generation_config.json")
+        best = read_json(project / f"runs/eval/{name}/metrics.json")["chat_best_temperature"]
+        assert generation["do_sample"] is True and generation["temperature"] == best
     predictions = (project / "runs/eval/pretrain/predictions.jsonl").read_text().splitlines()
     assert len(predictions) == 2 * held_out  # both formats
     samples = [json.loads(line) for line in (project / "runs/samples/pretrain.jsonl").read_text().splitlines()]
@@ -77,6 +86,8 @@ def test_full_repro_produced_every_artifact(project):
     assert "| distill_control | sft (teacher's terms off) |" in opening
     assert ". Against its control distill_control (val loss " in opening and "; sampled arithmetic " in opening
     assert "- **grpo** (from sft, rewarding arithmetic) moved" in opening and "sampled at T=1" in opening
+    assert "| | | | chat, sampled at its best T=" in opening and " (of 0.5/1)" in opening
+    assert "; at each one's best temperature (sft T=" in opening  # grpo against sft, each at its best
     assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
     assert (project / "runs/report/grpo_reward.png").is_file()
     bench = read_json(project / "runs/benchmark/metrics.json")

@@ -154,13 +154,16 @@ def test_mixed_rows_gives_the_corpus_a_full_loss_mask(micro_data):
 # --- on-policy distillation -------------------------------------------------------------------------------------
 
 
-def on_policy_source(micro_data, model, share, rows=8):
-    """OnPolicyBatches over the micro SFT prompts for `model` (a Distiller), the rest from the packed SFT rows."""
+def on_policy_source(micro_data, model, share, rows=8, sequence=0.0):
+    """OnPolicyBatches over the micro SFT prompts for `model` (a Distiller), the rest from the packed SFT rows;
+    `sequence` of the steps on the teacher's greedy answers."""
     tokenizer = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
     gen = Generator(model.student, tokenizer, micro_params()["pack"]["seq_len"])
     conversations = read_raw(micro_data / "raw", "sft").to_pylist()
     packed = PackedBatches(PackedRows(micro_data / "packed/sft"), rows, 0)
-    return OnPolicyBatches(packed, share, nnx.graphdef(model), gen, conversations, rows, 0), conversations
+    teacher = Generator(model.teacher, tokenizer, gen.capacity)
+    source = OnPolicyBatches(packed, share, nnx.graphdef(model), gen, conversations, rows, 0, sequence, teacher)
+    return source, conversations
 
 
 def test_on_policy_rows_are_the_students_own_answers_scored_by_the_teacher_alone(micro_data, pretrained):
@@ -215,6 +218,48 @@ def test_on_policy_distillation_pulls_the_students_answers_toward_the_teacher(mi
         state, metrics = step(state, frozen, {k: v[None] for k, v in batch.items()})
         kls.append(float(metrics["kl"]) / float(metrics["tokens"]))
     assert np.mean(kls[-5:]) < 0.5 * np.mean(kls[:5]), kls
+
+
+def test_sequence_kd_rows_are_the_teachers_greedy_answers_as_labels(micro_data, pretrained):
+    """Sequence-level KD: the teacher's greedy answers, decoded once in batches, equal its answers
+    generated one prompt at a time; on them the hard term is the student's CE on those tokens.
+    Shared with on-policy steps, the generated steps take turns."""
+    teacher = load_model(pretrained)
+    model = Distiller(Decoder(dataclasses.replace(teacher.cfg, n_layers=1), nnx.Rngs(0)), teacher)
+    source, _ = on_policy_source(micro_data, model, 0.25, sequence=0.25)
+    _, params, frozen = nnx.split(model, STUDENT, ...)
+    kinds = []
+    for _ in range(8):
+        batch, host = source.next(params, frozen)
+        kinds.append(SAMPLED in batch and "student" or "sequence/answer_tokens" in host and "teacher" or "data")
+    assert kinds == ["data", "student", "data", "teacher", "data", "student", "data", "teacher"]
+    alone = Generator(teacher, source.gen.tokenizer, source.gen.capacity)
+    for i in np.random.default_rng(0).choice(len(source.prompts), 5, replace=False):
+        (mine,) = alone.generate([source.prompts[i]], source.max_new, chat=True, stop_at_newline=True)
+        length = source.answers[1][i]
+        assert source.answers[0][i][:length].tolist() == mine.tokens[:length]
+    jbatch = {k: jnp.asarray(v) for k, v in batch.items()}  # step 8: the teacher's answers
+    hard, _, _ = distill_loss(0.0, 2.0)(model, jbatch, None)
+    ce, _ = lm_loss(model.student, jbatch, None)
+    np.testing.assert_allclose(hard, ce, rtol=1e-6)
+
+
+def test_sequence_kd_teaches_the_student_the_teachers_answers(micro_data, pretrained):
+    """Every step on the teacher's answers, the hard term alone: the student's loss on them falls."""
+    teacher = load_model(pretrained)
+    model = Distiller(Decoder(dataclasses.replace(teacher.cfg, n_layers=1), nnx.Rngs(0)), teacher)
+    source, _ = on_policy_source(micro_data, model, 0.0, sequence=1.0)
+    graphdef, params, frozen = nnx.split(model, STUDENT, ...)
+    cfg = dataclasses.replace(load_section(micro_params(), "distill"), lr=1e-2, steps=30, warmup_steps=0)
+    tx = make_optimizer(cfg, params)
+    state = init_state(params, tx, jax.random.key(0))
+    step = make_train_step(graphdef, tx, distill_loss(0.0, 1.0))
+    losses = []
+    for _ in range(30):
+        batch, _ = source.next(state.params, frozen)
+        state, metrics = step(state, frozen, {k: v[None] for k, v in batch.items()})
+        losses.append(float(metrics["loss"]))
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
 
 
 # --- the stage, as a process -----------------------------------------------------------------------------------
@@ -272,6 +317,7 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp
         ),
         ({"init": "pruned"}, "distill.init: expected one of 'scratch', 'teacher', got 'pruned'"),
         ({"on_policy": 1.5}, "distill.on_policy: expected a float in [0, 1], got 1.5"),
+        ({"on_policy": 0.6, "sequence": 0.6}, "distill.sequence: 0.6 plus distill.on_policy 0.6 is more than every"),
         (
             {
                 "init": "teacher",
@@ -315,7 +361,7 @@ def test_distill_bad_params_fail_in_one_line(micro_data, pretrained, tmp_path, c
 def test_the_control_run_is_the_student_trained_with_alpha_zero(micro_data, pretrained, tmp_path):
     """`--control` trains what `distill.alpha: 0` trains (the teacher's terms off, nothing else
     changed) whatever alpha and temperature say; a distilled student differs from it."""
-    change = {"alpha": 0.9, "temperature": 3.0, "kl": "reverse", "on_policy": 0.5}
+    change = {"alpha": 0.9, "temperature": 3.0, "kl": "reverse", "on_policy": 0.5, "sequence": 0.3}
     runs = {"control": (change, ["--control"]), "alpha0": ({"alpha": 0.0}, []), "distilled": (change, [])}
     for name, (change, flags) in runs.items():
         work = tmp_path / name

@@ -2,9 +2,8 @@
 
 A model stagelm trained from scratch speaks stagelm's format (`stagelm.data.tokenizer`):
 `<|user|>…<|end|><|assistant|>…<|end|>`. A checkpoint from elsewhere keeps its own: its
-Jinja chat template, rendered as transformers renders it (an immutable sandboxed Jinja
-environment with `trim_blocks`, `lstrip_blocks`, loop controls, `tojson`,
-`raise_exception` and `strftime_now`, and the special tokens' spellings as variables),
+Jinja chat template, rendered as transformers renders it (`stagelm.data.template_sandbox`,
+with the special tokens' spellings as variables),
 and its own end-of-turn and end-of-sequence tokens. What a template needs is `chat.json`,
 written beside the tokenizer.json it belongs to (by `import-hf`, the tokenizer stage, and
 every model stage after them): the template, the spellings of bos, eos, pad and unk, the
@@ -20,82 +19,24 @@ SFT trains on the assistant's tokens only. A template marks no spans, so they ar
 by rendering prefixes of the conversation: an assistant turn is what its message adds to
 the rendering that ends with the generation prompt before it, through its end-of-turn token.
 
-A server renders per request, so a rendering is bounded: `MAX_RENDER_SECONDS` of template
-work and `MAX_RENDER_CHARS` of output, each refused in one line.
+A template is code from elsewhere, so it renders in `stagelm.data.template_sandbox`, under
+budgets of time, size and arithmetic, each refused in one line naming the file.
 """
 
-import json
 import time
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from stagelm.data.template_sandbox import CLOCK, MAX_RENDER_CHARS, MAX_RENDER_SECONDS, ChatRenderError, sandbox
 from stagelm.data.tokenizer import ASSISTANT, BOS, CHAT_FILE, END, EOS, PAD, chat_segments, special_id
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import read_json_object, write_json
 
-MAX_RENDER_SECONDS = 2.0
-MAX_RENDER_CHARS = 4 << 20
 ROLES = ("system", "user", "assistant")
 _HOLE = "\ue000{}\ue001"  # private-use characters: where a message holding a special token's spelling goes
-
-
-class ChatRenderError(StagelmError):
-    """A rendering the template refused (raise_exception), or one past its time or size bound."""
-
-
-def template_environment(deadline: list[float]) -> Any:
-    """The sandbox transformers renders chat templates in, with a deadline: every call, attribute and
-    item the template touches checks that `deadline[0]` (a monotonic time) has not passed."""
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        """`{% generation %}…{% endgeneration %}`, which some templates use to mark assistant text for
-        transformers' masks: rendered as its body (stagelm finds those tokens by prefixes)."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    class Bounded(ImmutableSandboxedEnvironment):
-        def check(self) -> None:
-            if time.monotonic() > deadline[0]:
-                raise ChatRenderError(f"the chat template took more than {MAX_RENDER_SECONDS:g} s to render")
-
-        def call(self, context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-            self.check()
-            return super().call(context, obj, *args, **kwargs)
-
-        def getattr(self, obj: Any, attribute: str) -> Any:
-            self.check()
-            return super().getattr(obj, attribute)
-
-        def getitem(self, obj: Any, argument: Any) -> Any:
-            self.check()
-            return super().getitem(obj, argument)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
 
 
 class ChatFormat:
@@ -120,11 +61,10 @@ class ChatFormat:
         # A copy that reads special tokens' spellings in text as the tokens: for the template's own text only.
         self.marked = Tokenizer.from_str(tok.to_str())
         self.marked.encode_special_tokens = False
-        self.deadline = [0.0]
         self.compiled = None
         if self.template is not None:
             try:
-                self.compiled = template_environment(self.deadline).from_string(self.template)
+                self.compiled = sandbox().from_string(self.template)
             except Exception as err:  # jinja2's TemplateSyntaxError and kin
                 raise StagelmError(f"{source}: the chat template does not parse ({err}); fix or replace it") from None
 
@@ -144,7 +84,7 @@ class ChatFormat:
                 "template as `template` there, or use the completion format"
             )
         variables = {k: self.spec.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        self.deadline[0] = time.monotonic() + MAX_RENDER_SECONDS
+        CLOCK.deadline = time.monotonic() + MAX_RENDER_SECONDS
         pieces, size = [], 0
         try:
             for piece in self.compiled.generate(
@@ -154,10 +94,12 @@ class ChatFormat:
                 if size > MAX_RENDER_CHARS:
                     raise ChatRenderError(f"the chat template's rendering exceeds {MAX_RENDER_CHARS:,} characters")
                 pieces.append(piece)
-        except ChatRenderError:
-            raise
-        except Exception as err:  # raise_exception, or an error inside the template
-            raise ChatRenderError(f"the chat template refused the messages: {str(err)[:200]}") from None
+        except Exception as err:  # past a budget, raise_exception, or an error inside the template (RecursionError ...)
+            reason = str(err) if isinstance(err, ChatRenderError) else f"the chat template refused the messages: {err}"
+            reason = reason[:300]
+            raise ChatRenderError(f"{self.source}: {reason}", reason) from None
+        finally:
+            CLOCK.deadline = float("inf")
         return "".join(pieces)
 
     def encode(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:

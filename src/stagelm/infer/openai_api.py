@@ -10,7 +10,7 @@ text is released as tokens arrive, cut at the first stop string (`ChoiceText`).
 import json
 from typing import Any
 
-from stagelm.data.chatformat import ChatFormat
+from stagelm.data.chatformat import ChatFormat, ChatRenderError
 from stagelm.infra.errors import StagelmError
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
@@ -58,17 +58,19 @@ def field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
 MAX_NUMBER = 2**63  # no field of a request means anything beyond it; Python's float() of more overflows
 
 
-def settings(body: dict, slots: int, default_max: int) -> dict[str, Any]:
-    """The sampling fields of a request, type- and range-checked."""
+def settings(body: dict, slots: int, default_max: int, defaults: dict[str, float] | None = None) -> dict[str, Any]:
+    """The sampling fields of a request, type- and range-checked; `defaults` (the model's
+    generation_config.json: temperature, top_p) stand where the request gives none, else OpenAI's 1."""
+    defaults = defaults or {}
     max_tokens = field(body, "max_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = field(body, "max_completion_tokens", (int,), default_max)
     if max_tokens < 1:
         raise BadRequest(f"max_tokens: expected a positive integer, got {shown(max_tokens)}", "max_tokens")
-    temperature = float(field(body, "temperature", (int, float), 1.0))
+    temperature = float(field(body, "temperature", (int, float), defaults.get("temperature", 1.0)))
     if not 0 <= temperature <= 2:
         raise BadRequest(f"temperature: expected a number in [0, 2], got {temperature}", "temperature")
-    top_p = float(field(body, "top_p", (int, float), 1.0))
+    top_p = float(field(body, "top_p", (int, float), defaults.get("top_p", 1.0)))
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p: expected a number in (0, 1], got {top_p}", "top_p")
     n = field(body, "n", (int,), 1)
@@ -168,6 +170,8 @@ def chat_prompt(body: dict, chat: ChatFormat) -> list[int]:
         raise BadRequest("messages: the last message must be the user's", "messages")
     try:
         return chat.prompt(turns)
+    except ChatRenderError as err:  # the template refused or ran past its budgets: the reason, not the server's path
+        raise BadRequest(err.reason, "messages") from None
     except StagelmError as err:  # a role the format lacks, or a template that refused or ran past its bounds
         raise BadRequest(str(err), "messages") from None
 

@@ -9,7 +9,8 @@ Routes (Starlette on uvicorn):
   template, answered as the assistant;
 - `POST /v1/completions`: a `prompt` string continued;
 - both with `max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n` and `stream`
-  (server-sent events, `data: [DONE]` last); OpenAI fields it does not implement are
+  (server-sent events, `data: [DONE]` last); temperature and top_p default to the model
+  folder's generation_config.json (`modeldir.read_sampling_defaults`), else 1; OpenAI fields it does not implement are
   refused (400) only where their value would change the answer (`logprobs`, `echo`,
   `best_of` > n), accepted where neutral; other unknown fields are ignored;
 - `GET /v1/stats`: the engine's counters (requests, refusals, decode steps by batch size);
@@ -56,6 +57,7 @@ from stagelm.infer.openai_api import (
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
 from stagelm.model.footprint import kv_cache_bytes
+from stagelm.model.modeldir import read_sampling_defaults
 
 MAX_BODY = 1 << 20  # bytes of a request body
 BODY_DEADLINE = 30.0  # seconds a client may take to send its body once the head is in
@@ -70,6 +72,7 @@ def inline_json(value: Any) -> str:
 class Server:
     def __init__(self, model_dir: Path, name: str, slots: int, queue: int, hosts: tuple[str, ...] = ()):
         self.gen = load_generator(model_dir)
+        self.sampling = read_sampling_defaults(model_dir)  # its generation_config.json's, for requests giving none
         cfg = self.gen.model.cfg
         cache = kv_cache_bytes(cfg, slots, self.gen.capacity)
         logits = 4 * slots * cfg.vocab_size * 3  # the engine's logits and a step's copies of them
@@ -171,9 +174,10 @@ class Server:
 
         try:
             body = await self.body(http)
-            prompt = chat_prompt(body, self.gen.chat) if chat else completion_prompt(body, self.gen.chat)
+            # A template is code from elsewhere: rendered off the event loop, under its own budgets.
+            prompt = await asyncio.to_thread(chat_prompt if chat else completion_prompt, body, self.gen.chat)
             default_max = self.engine.capacity if chat else 16
-            opts = settings(body, self.engine.slots, default_max)
+            opts = settings(body, self.engine.slots, default_max, self.sampling)
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
                 opts["max_tokens"] = max(1, min(default_max, self.engine.capacity - len(prompt)))
             request, events = self.start(prompt, opts, chat)
@@ -368,6 +372,11 @@ def serve(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     shown = f"[{host}]" if ":" in host else host
-    print(f"serve: {model_dir} as {server.name!r} on http://{shown}:{port} ({slots} slots, queue {queue})", flush=True)
+    defaults = ", ".join(f"{k} {v:g}" for k, v in server.sampling.items())
+    defaults = f"; sampling defaults from its generation_config.json: {defaults}" if defaults else ""
+    print(
+        f"serve: {model_dir} as {server.name!r} on http://{shown}:{port} ({slots} slots, queue {queue}){defaults}",
+        flush=True,
+    )
     config = uvicorn.Config(server.app(), log_level="warning", http=deadline_protocol(header_timeout))
     uvicorn.Server(config).run(sockets=[sock])

@@ -54,11 +54,12 @@ def chat_spec(
 
 def with_end_of_turn(spec: dict[str, Any], tok: Any, where: Path) -> dict[str, Any]:
     """`spec` with its template's end-of-turn token among the stop tokens: the first special token
-    the template writes after an assistant message's text."""
+    the template writes after an assistant message's text. `where` is the file the template came from."""
     if spec["template"] is None:
         return {**spec, "stop_tokens": list(dict.fromkeys([spec["eos_token"], *spec["stop_tokens"]]))}
 
-    chat = ChatFormat(tok, {**spec, "stop_tokens": [t for t in spec["stop_tokens"] if tok.token_to_id(t) is not None]})
+    stops = [t for t in spec["stop_tokens"] if tok.token_to_id(t) is not None]
+    chat = ChatFormat(tok, {**spec, "stop_tokens": stops}, source=str(where))
     turn = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
     text = chat.render(turn, add_generation_prompt=False)
     after = text[text.rfind("Hello.") + len("Hello.") :]

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 
 from stagelm.data.tokenizer import read_tokenizer_file
 from stagelm.infra.errors import StagelmError
-from stagelm.interop.gguf_import import gguf_chat_spec, gguf_tokenizer, import_gguf, open_gguf
+from stagelm.interop.gguf_import import gguf_chat_spec, gguf_config, gguf_tokenizer, import_gguf, open_gguf
 from stagelm.interop.hf_import import hf_chat_spec, import_config, import_hf
-from stagelm.model.decoder import Decoder
+from stagelm.model.decoder import Decoder, DecoderConfig
 
 
 @dataclasses.dataclass
@@ -52,6 +52,14 @@ def checkpoint_source(init_from: str | None) -> Path | None:
 
 def is_gguf(source: Path) -> bool:
     return source.is_file() and source.suffix.lower() == ".gguf"
+
+
+def checkpoint_config(source: Path) -> tuple[DecoderConfig, int]:
+    """(DecoderConfig, context length) of the checkpoint at `source`, from its config.json or GGUF
+    metadata alone, checked as an import checks them: what sizes it before any weight is read."""
+    if is_gguf(source):
+        return gguf_config(open_gguf(source), source)
+    return import_config(source)
 
 
 def read_checkpoint(source: str | Path, weights: bool = True, vocab_size: int | None = None, **settings: Any):

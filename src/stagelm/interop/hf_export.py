@@ -19,7 +19,7 @@ from stagelm.infra.files import atomic_write_bytes, copy_file, write_json
 from stagelm.interop.chat_spec import CHAT_TEMPLATE
 from stagelm.interop.llama_state import llama_tensors
 from stagelm.model.decoder import DecoderConfig
-from stagelm.model.modeldir import load_model, read_model_context
+from stagelm.model.modeldir import load_model, read_model_context, read_sampling_defaults
 
 
 def hf_config(cfg: DecoderConfig, context: int, chat: Any) -> dict[str, Any]:
@@ -76,8 +76,10 @@ def check_export_target(model_dir: Path, out_dir: Path) -> None:
         )
 
 
-def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
+def export_hf(model_dir: str | Path, out_dir: str | Path, sampling: dict[str, float] | None = None) -> Path:
     """Write the transformers Llama checkpoint of stagelm model `model_dir` into `out_dir`.
+    generation_config.json carries the model's sampling defaults (its own generation_config.json's,
+    then `sampling`'s, e.g. the eval's best temperature), with do_sample on when there are any.
 
     The files go to a temporary folder beside `out_dir`, which then replaces it: a failed
     or killed export leaves the previous one (or none) and never half of one."""
@@ -101,6 +103,9 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
         atomic_write_bytes(tmp / "model.safetensors", save(llama_tensors(model), metadata={"format": "pt"}))
         write_json(tmp / "config.json", hf_config(model.cfg, context, chat))
         generation = {"bos_token_id": chat.bos, "eos_token_id": list(chat.stops), "pad_token_id": chat.pad}
+        defaults = {**read_sampling_defaults(model_dir), **(sampling or {})}
+        if defaults:
+            generation.update(do_sample=True, **defaults)
         write_json(tmp / "generation_config.json", generation)
         copy_file(model_dir / "tokenizer.json", tmp / "tokenizer.json")
         write_json(tmp / "tokenizer_config.json", tokenizer_config(context, chat))

@@ -158,8 +158,10 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if template is not None and not isinstance(template, str):
         raise StagelmError(f"{config_path}: chat_template is {type(template).__name__}; expected a Jinja string")
+    template_path = config_path
     if (hf_dir / "chat_template.jinja").is_file():  # transformers 4.43+ saves it apart
-        template = (hf_dir / "chat_template.jinja").read_text()
+        template_path = hf_dir / "chat_template.jinja"
+        template = template_path.read_text()
     generation = hf_dir / "generation_config.json"
     gen = read_json_object(generation, "fix or remove it") if generation.is_file() else {}
     model = read_json_object(hf_dir / "config.json", "a transformers checkpoint's config.json")
@@ -189,7 +191,7 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
     stops = [tok.id_to_token(i) for i in token_ids("eos")]
     return chat_spec(
         tok,
-        config_path,
+        template_path,
         template=template,
         eos=eos,
         bos=spelled("bos"),

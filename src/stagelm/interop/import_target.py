@@ -2,17 +2,21 @@
 
 The target is refused when it is a file, a DVC-tracked output, or a folder holding anything
 but a previous import (which the import replaces); the saved model keeps the checkpoint's
-own tokenizer and chat spec, and loads in generate, serve and eval like any other.
+own tokenizer and chat spec (and its generation_config.json's sampling defaults, which the
+server uses), and loads in generate, serve and eval like any other. It is
+written beside the target and put in its place whole: a failed import (a full disk, a kill)
+leaves the previous import, or no folder, never half of one.
 """
 
+import shutil
 from pathlib import Path
 
 from stagelm.data.tokenizer import CHAT_FILE
 from stagelm.infra.errors import StagelmError
-from stagelm.infra.files import read_json_object
+from stagelm.infra.files import read_json_object, replace_folder, write_json
 from stagelm.interop.checkpoint import Checkpoint, read_checkpoint
 from stagelm.model.decoder import count_params
-from stagelm.model.modeldir import PARAMS_FILE, save_model
+from stagelm.model.modeldir import GENERATION_FILE, PARAMS_FILE, sampling_defaults, save_model
 from stagelm.pipeline.dvcfile import refuse_dvc_output
 
 
@@ -24,7 +28,7 @@ def check_import_target(out_dir: Path) -> None:
     refuse_dvc_output(out_dir, "import-hf")
     if not out_dir.is_dir():
         return
-    mine = ("config.json", PARAMS_FILE, "tokenizer.json", CHAT_FILE)
+    mine = ("config.json", PARAMS_FILE, "tokenizer.json", CHAT_FILE, GENERATION_FILE)
     others = sorted(p.name for p in out_dir.iterdir() if p.name not in mine)
     config = out_dir / "config.json"
     if not others and config.is_file() and "params_sha256" not in read_json_object(config, "move it away"):
@@ -39,7 +43,20 @@ def import_into(source: Path, out_dir: Path) -> Checkpoint:
     """Read the checkpoint at `source` into the stagelm model directory `out_dir` (`stagelm import-hf`),
     with its own tokenizer and chat spec; a target holding anything else is refused first."""
     check_import_target(out_dir)
+    generation = source / GENERATION_FILE  # a transformers folder's sampling defaults, checked before the weights
+    sampling = (
+        sampling_defaults(read_json_object(generation, "fix or remove it"), generation) if generation.is_file() else {}
+    )
     found = read_checkpoint(source)
     extra = {"params_count": count_params(found.model), "context_len": found.context, "imported_from": str(source)}
-    save_model(out_dir, found.model, found.tokenizer_file or found.tokenizer, extra, chat=found.chat)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.import-tmp")  # beside it: the same file system, so renames
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        save_model(staging, found.model, found.tokenizer_file or found.tokenizer, extra, chat=found.chat)
+        if sampling:
+            write_json(staging / GENERATION_FILE, sampling)
+        replace_folder(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return found

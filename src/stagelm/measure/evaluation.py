@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from stagelm.data.chatformat import ChatFormat
 from stagelm.data.loader import PackedRows
 from stagelm.infer.generate import BUCKET, Generator, Sampling
+from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
 from stagelm.model.footprint import generation_bytes
 from stagelm.pipeline.config import EvalConfig
@@ -157,6 +158,7 @@ def task_metrics(records: list[dict], rule: str) -> dict[str, Any]:
 # Host memory per generated token of a kept answer: its text (up to 4 characters a token),
 # the JSON line written from it, and the ids of its batch while they are decoded.
 ANSWER_BYTES_PER_TOKEN = 16
+CONTEXT_STRETCH = 2  # eval answers may run to twice the trained context, no further
 
 
 def generation_capacity(chat: ChatFormat, tasks: list[dict], context: int, max_new: int) -> tuple[int, int]:
@@ -178,14 +180,44 @@ def require_eval_memory(model_cfg: Any, cfg: EvalConfig, tasks: list[dict], long
     require_memory(need, "eval.max_new_tokens", what, fix="lower it or eval.task_batch_size")
 
 
+def best_temperature(by_temperature: dict[str, dict]) -> float:
+    """The temperature of `chat_temperatures` whose pooled accuracy is highest (the first of a tie)."""
+    best = max(by_temperature.values(), key=lambda v: v["accuracy"])
+    return float(best["temperature"])
+
+
+def require_eval_context(cfg: EvalConfig, longest: int, context: int) -> None:
+    """Refuse answers that run past twice the model's trained context: positions it never saw,
+    whose decoding (one compiled loop, deaf to signals while it runs) can take hours."""
+    if longest + cfg.max_new_tokens > CONTEXT_STRETCH * context:
+        raise StagelmError(
+            f"eval.max_new_tokens: {cfg.max_new_tokens} plus the longest eval prompt ({longest} tokens) passes "
+            f"{CONTEXT_STRETCH}× the model's trained context of {context} positions; lower it to at most "
+            f"{max(CONTEXT_STRETCH * context - longest, 1)}"
+        )
+
+
 def sampled_metrics(gen: Generator, tasks: list[dict], cfg: EvalConfig) -> dict[str, Any]:
     """The sampled chat answers' metrics: `chat_sampled` (one answer per prompt at
-    eval.sample_temperature, what GRPO's rollouts see) and `chat_pass_k` (k answers per prompt:
-    what sampling more often can reach); none when sample_temperature is 0."""
+    eval.sample_temperature, what GRPO's rollouts see), `chat_temperatures` (one answer per prompt
+    at each of eval.temperatures, keyed by the temperature as a string, laid out as chat_sampled;
+    `chat_best_temperature` the one that scores best, the first of a tie) and `chat_pass_k` (k
+    answers per prompt: what sampling more often can reach). A temperature is a baseline: what a
+    model gains by sampling differently comes for free, with no training."""
     out: dict[str, Any] = {}
+    sampled: list[dict] = []
     if cfg.sample_temperature > 0:
         sampled = answer_tasks(gen, tasks, "chat", cfg.task_batch_size, cfg.max_new_tokens, cfg.sample_temperature)
         out["chat_sampled"] = {"temperature": cfg.sample_temperature, **family_accuracy(sampled)}
+    if cfg.temperatures:
+        chosen = limit_per_family(tasks, cfg.temperature_prompts)
+        by_temperature = {}
+        for t in cfg.temperatures:
+            same = sampled and t == cfg.sample_temperature and len(chosen) == len(tasks)  # the same answers
+            records = sampled if same else answer_tasks(gen, chosen, "chat", cfg.task_batch_size, cfg.max_new_tokens, t)
+            by_temperature[str(float(t))] = {"temperature": t, **family_accuracy(records)}
+        out["chat_temperatures"] = by_temperature
+        out["chat_best_temperature"] = best_temperature(by_temperature)
     if cfg.pass_k:
         chosen = limit_per_family(tasks, cfg.pass_k_prompts)
         repeated = [t for t in chosen for _ in range(cfg.pass_k)]

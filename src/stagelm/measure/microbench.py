@@ -6,8 +6,10 @@ these, so a figure in either means the same thing; nothing here reads data files
 benchmarks/accelerator.py runs them on a machine with only JAX, Flax and Optax.
 """
 
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -74,10 +76,12 @@ def bench_train(
     reps: int,
     accumulation: int = 1,
     check: Callable | None = None,
+    trace_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train-step samples (seconds) and the first call's time (compile + one step) for steps of
     `accumulation` micro-batches of `batch` rows. `check(step, state, frozen, rows)`, when given,
-    runs before the first call (the training stages' memory check of the compiled step)."""
+    runs before the first call (the training stages' memory check of the compiled step); with
+    `trace_dir`, one more step is profiled there (`profile`: `device_time_by_op`)."""
     model = Decoder(cfg, nnx.Rngs(0))
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
     tx = make_optimizer(bench_optimizer(warmup + reps + 1), params)
@@ -95,7 +99,44 @@ def bench_train(
     t0 = time.perf_counter()
     one()
     first = time.perf_counter() - t0
-    return {"first_call_seconds": first, "step_seconds": timed(one, warmup, reps)}
+    out = {"first_call_seconds": first, "step_seconds": timed(one, warmup, reps)}
+    if trace_dir is not None:  # one more step under the profiler: where its device time goes
+        with jax.profiler.trace(str(trace_dir)):
+            one()
+        out["profile"] = device_time_by_op(trace_dir)
+    return out
+
+
+def device_time_by_op(trace_dir: str | Path) -> dict[str, Any]:
+    """The device time of a profiler trace (`jax.profiler.trace`) by XLA op (`op_breakdown`), read
+    with JAX's own reader (`jax.profiler.ProfileData`). Empty where the trace has no device plane
+    (the CPU's ops are not traced as a device's)."""
+    from jax.profiler import ProfileData
+
+    seconds: dict[str, float] = {}
+    for path in sorted(Path(trace_dir).rglob("*.xplane.pb")):
+        for plane in ProfileData.from_file(str(path)).planes:
+            if plane.name.startswith("/device:"):
+                for line in plane.lines:
+                    if line.name == "XLA Ops":
+                        for event in line.events:
+                            seconds[event.name] = seconds.get(event.name, 0.0) + event.duration_ns / 1e9
+    return op_breakdown(seconds) if seconds else {}
+
+
+def op_breakdown(seconds: dict[str, float]) -> dict[str, Any]:
+    """{op kind: share of the device time} from {XLA op (its HLO text, `%name.N = ...`): seconds}:
+    each op by its name without its number (`fusion`, `convolution_convert_fusion`, a splash
+    kernel's `splash_mha_fwd_segmented_residuals` ...). A `while` op's time is its body's ops'
+    (listed too), so it is left out of the total."""
+    kinds: dict[str, float] = {}
+    for text, s in seconds.items():
+        kind = re.sub(r"\.\d+$", "", text.split(" = ")[0].lstrip("%"))
+        if not kind.startswith("while"):
+            kinds[kind] = kinds.get(kind, 0.0) + s
+    total = sum(kinds.values())
+    ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
+    return {"device_seconds": total, "shares": {k: round(v / total, 4) for k, v in ranked if v / total >= 0.001}}
 
 
 def bench_decode(

@@ -214,6 +214,10 @@ def stage_table(models: list[dict]) -> list[str]:
         rows = [("completion", e["completion"]), ("chat", e["chat"])] if parent is None else [("chat", e["chat"])]
         if "chat_sampled" in e:
             rows.append((f"chat, sampled at T={e['chat_sampled']['temperature']:g}", e["chat_sampled"]))
+        best = best_view(e)
+        if best:
+            of = "/".join(f"{float(t):g}" for t in e["chat_temperatures"])
+            rows.append((f"chat, sampled at its best T={best[0]:g} (of {of})", best[1]))
         passes = pass_view(e)
         if passes:
             rows.append(passes)
@@ -224,6 +228,36 @@ def stage_table(models: list[dict]) -> list[str]:
             lead = f"| {m['name']} | {origin} | {e['val_loss']:.3f} |" if first else "| | | |"
             lines.append(f"{lead} {asked} | " + " | ".join(cell(metrics, f) for f in families) + " |")
     return lines
+
+
+def best_view(e: dict) -> tuple[float, dict] | None:
+    """(best temperature, its metrics) of an eval's `chat_temperatures`, or None when it has none."""
+    temps = e.get("chat_temperatures")
+    if not temps:
+        return None
+    t = float(e["chat_best_temperature"])
+    return t, temps[str(t)]
+
+
+def at_best_temperatures(before: dict, after: dict, names: tuple[str, str], families: list[str]) -> str:
+    """Each family's change with both models sampled at their best temperatures, and whether a
+    sampled gain at the eval's temperature is no more than the first model's best temperature
+    gives for free."""
+    best_before, best_after = best_view(before), best_view(after)
+    if not (best_before and best_after):
+        return ""
+    (t0, v0), (t1, v1) = best_before, best_after
+    text = f"; at each one's best temperature ({names[0]} T={t0:g}, {names[1]} T={t1:g}): " + ", ".join(
+        change(v0, v1, f) for f in families
+    )
+    if "chat_sampled" in before and "chat_sampled" in after:
+        t, gain = after["chat_sampled"]["temperature"], after["chat_sampled"]["accuracy"]
+        if gain > before["chat_sampled"]["accuracy"] and gain <= v0["accuracy"]:
+            text += (
+                f"; its sampled gain at T={t:g} ({gain:.3f}, from {before['chat_sampled']['accuracy']:.3f}) is no "
+                f"more than sampling {names[0]} at T={t0:g} gives for free ({v0['accuracy']:.3f}, no training)"
+            )
+    return text
 
 
 def change(before: dict, after: dict, family: str) -> str:
@@ -293,6 +327,7 @@ def student_sentence(m: dict, teacher: dict, models: list[dict]) -> str:
         )
         if "chat_sampled" in e and "chat_sampled" in c:
             sentence += "; sampled " + ", ".join(change(c["chat_sampled"], e["chat_sampled"], f) for f in families)
+        sentence += at_best_temperatures(c, e, (control["name"], m["name"]), families)
     return sentence + "."
 
 
@@ -310,6 +345,7 @@ def tuned_sentence(m: dict, parent: dict) -> str:
     if "chat_sampled" in e and "chat_sampled" in source:
         sampled = ", ".join(change(source["chat_sampled"], e["chat_sampled"], f) for f in families)
         sentence += f"; sampled at T={e['chat_sampled']['temperature']:g}: {sampled}"
+    sentence += at_best_temperatures(source, e, (parent["name"], m["name"]), families)
     passes, passes_before = pass_view(e), pass_view(source)
     if passes and passes_before:
         (asked, after), (_, before) = passes, passes_before

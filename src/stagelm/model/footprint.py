@@ -113,15 +113,19 @@ def benchmark_bytes(cfg: Any) -> dict[str, int]:
     }
 
 
-def stage_estimates(sections: dict[str, Any]) -> dict[str, int]:
+def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[str, int]:
     """The memory each stage will ask for, by arithmetic on params.yaml's sections (the vocabulary
-    at its cap, a generous prompt width): what `stagelm check` holds against this machine."""
+    at its cap, a generous prompt width): what `stagelm check` holds against this machine. With
+    `model.init_from`, `checkpoint` is its DecoderConfig: its sizes and vocabulary, not the model
+    section's, with the section's run settings (dtype, remat, attention)."""
     model, vocab, seq = sections["model"], sections["tokenizer"].vocab_size, sections["pack"].seq_len
-    shape = SimpleNamespace(
-        **model.shape(), vocab_size=vocab, dtype=model.dtype, head_dim=model.d_model // model.n_heads
-    )
+    sizes, tied = model.shape(), model.tie_embeddings
+    if checkpoint is not None:
+        sizes = {k: getattr(checkpoint, k) for k in sizes}
+        vocab, tied = checkpoint.vocab_size, checkpoint.tie_embeddings
+    shape = SimpleNamespace(**sizes, vocab_size=vocab, dtype=model.dtype, head_dim=sizes["d_model"] // sizes["n_heads"])
     shape.remat, shape.attention = model.remat, model.attention  # what pretrain's step keeps
-    n = param_count(vocab, **model.shape(), tie_embeddings=model.tie_embeddings)
+    n = param_count(vocab, **sizes, tie_embeddings=tied)
     ev, grpo, bench = sections["eval"], sections["grpo"], sections["benchmark"]
     timed = SimpleNamespace(**bench.shape(), vocab_size=bench.vocab_size, dtype=bench.dtype)
     prompt = 64  # a generous prompt width for the task families' prompts

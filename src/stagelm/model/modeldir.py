@@ -6,6 +6,8 @@ the resolved decoder config with its vocab size, and a copy of the tokenizer the
 model was trained with. config.json records the sha256 of the params file and of the
 tokenizer at save time, and a model loads only when both still match: a flipped bit
 or a swapped tokenizer.json (same size, ids permuted) is refused in one line, never used.
+An imported model may also hold `generation_config.json`: its checkpoint's sampling
+defaults (temperature, top_p), which the server uses for a request that gives none.
 
 The params are one safetensors file, tensors named by their path in the model
 (`blocks/0/attn/q/w`), so the same weights always give the same bytes: DVC sees an
@@ -170,6 +172,33 @@ def read_model_context(model_dir: str | Path) -> int:
     """The context length the model was trained with (the KV cache size generation uses by default)."""
     path = Path(model_dir) / "config.json"
     return check_value(model_config_json(model_dir).get("context_len"), int, f"{path}: context_len", POSITIVE)
+
+
+GENERATION_FILE = "generation_config.json"  # optional: the model's sampling defaults, as transformers names them
+SAMPLING_RANGES = {"temperature": (0.0, 2.0, "[0, 2]"), "top_p": (0.0, 1.0, "(0, 1]")}
+
+
+def sampling_defaults(generation: dict[str, Any], where: Path) -> dict[str, float]:
+    """The sampling defaults (temperature, top_p) a transformers generation_config.json holds, as
+    vLLM reads them (do_sample aside), each checked against the range the server accepts."""
+    out = {}
+    for key, (low, high, shown_range) in SAMPLING_RANGES.items():
+        value = generation.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
+        if not ok or key == "top_p" and value == 0:
+            raise StagelmError(f"{where}: {key} {str(value)[:40]} is not in {shown_range}; fix or remove it")
+        out[key] = float(value)
+    return out
+
+
+def read_sampling_defaults(model_dir: str | Path) -> dict[str, float]:
+    """The model directory's sampling defaults (its generation_config.json; none without one)."""
+    path = Path(model_dir) / GENERATION_FILE
+    if not path.is_file():
+        return {}
+    return sampling_defaults(read_json_object(path, "fix or remove it"), path)
 
 
 def verify_model_files(model_dir: Path) -> None:

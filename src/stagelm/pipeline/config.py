@@ -291,6 +291,14 @@ class EvalConfig:
     )
     pass_k: int = param("sampled chat answers per prompt for pass@1 and pass@k; 0 = skip", NON_NEGATIVE)
     pass_k_prompts: int | None = param("prompts per family for pass@k, the first of the eval set; null = all", POSITIVE)
+    temperatures: list[float] = param(
+        "chat prompts answered sampled at each of these temperatures too (chat_temperatures; the best is the "
+        "model's sampling default in its export); [] = skip",
+        (lambda ts: all(0 < t <= 2 for t in ts) and len(set(ts)) == len(ts), "a {type} of distinct numbers in (0, 2]"),
+    )
+    temperature_prompts: int | None = param(
+        "prompts per family for chat_temperatures, the first of the eval set; null = all", POSITIVE
+    )
 
     def validate(self, prefix: str) -> None:
         if self.pass_k and not self.sample_temperature:
@@ -387,7 +395,21 @@ class DistillConfig(TrainingConfig):
         one_of("scratch", "teacher"),
     )
     on_policy: float = param("share of steps on the student's own answers to SFT prompts, scored by the teacher", UNIT)
+    sequence: float = param(
+        "share of steps on the teacher's own answers to SFT prompts, as labels (sequence-level KD)", UNIT
+    )
+    sequence_temperature: float = param(
+        "the temperature the teacher answers at for distill.sequence, once at the start; 0 = greedy", NON_NEGATIVE
+    )
     student: StudentConfig = param("the student's shape; RoPE, norms, dtypes and tokenizer are the teacher's")
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.on_policy + self.sequence > 1:
+            raise StagelmError(
+                f"{prefix}.sequence: {self.sequence} plus {prefix}.on_policy {self.on_policy} is more than every step; "
+                "lower one"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

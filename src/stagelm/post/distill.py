@@ -20,6 +20,10 @@ them, T² · KL(teacher_T ‖ student_T) over the answer's tokens and no hard te
 sampled tokens are no labels). The student then meets, and is corrected on, the
 mistakes it makes itself, which fixed data never shows it.
 
+With `distill.sequence` > 0 that share of the steps trains on the teacher's own answers to
+the SFT prompts (sequence-level KD; Kim & Rush, 2016), generated once at the start at
+`distill.sequence_temperature` (0: greedy), as labels, with the full loss above.
+
 The student starts from scratch or from the teacher itself, pruned to the student's
 shape (`stagelm.post.student`).
 """
@@ -102,8 +106,15 @@ def first_turn(messages: list[dict]) -> list[dict]:
 
 
 class OnPolicyBatches:
-    """`distill.on_policy` of the steps: the student's sampled answers to SFT prompts; the rest
-    from `data` (the packed rows). A `train.batches.BatchSource`; its state is both parts'."""
+    """Steps on generated answers to SFT prompts; the rest from `data` (the packed rows). A
+    `train.batches.BatchSource`; its state is both parts'.
+
+    `share` of the steps are the student's own answers, sampled with its current weights and
+    scored by the teacher alone (on-policy distillation). `sequence` of the steps are the
+    teacher's own answers (sequence-level KD; Kim & Rush, 2016, "Sequence-Level Knowledge
+    Distillation"): each usable prompt answered once, at the start, by the frozen teacher at
+    `sequence_sampling` (greedy at temperature 0), and trained on as labels with the full
+    distillation loss (the soft term on top: their word-level KD on the teacher's sequences)."""
 
     def __init__(
         self,
@@ -114,8 +125,12 @@ class OnPolicyBatches:
         conversations: list[dict],
         rows: int,
         seed: int,
+        sequence: float = 0.0,
+        teacher: Generator | None = None,
+        sequence_sampling: Sampling | None = None,
     ):
         self.data, self.share, self.graphdef, self.gen, self.rows, self.seed = data, share, graphdef, gen, rows, seed
+        self.sequence = sequence
         chat = gen.chat
         # Each conversation's opening through its first user turn, ready for the assistant's answer.
         prompts = [chat.prompt(first_turn(c["messages"])) for c in conversations]
@@ -124,38 +139,65 @@ class OnPolicyBatches:
         # Prompts that leave that room in the context (a prompt that does not is no use: its answer would be cut).
         self.prompts = [p for p in prompts if len(p) + self.max_new <= gen.capacity]
         if len(self.prompts) < rows:
+            key = "distill.on_policy" if share else "distill.sequence"
             raise StagelmError(
-                f"distill.on_policy: {len(self.prompts)} of {len(prompts)} SFT prompts leave room for a "
+                f"{key}: {len(self.prompts)} of {len(prompts)} SFT prompts leave room for a "
                 f"{self.max_new}-token answer in the context of {gen.capacity}, fewer than the {rows} rows of "
-                "a step; raise pack.seq_len or set distill.on_policy to 0"
+                f"a step; raise pack.seq_len or set {key} to 0"
             )
         self.skipped = len(prompts) - len(self.prompts)
         self.stop = gen.stop_mask(chat=True, stop_at_newline=True)
         self.sampling = Sampling(temperature=1.0)
         self.step = 0
+        self.answers = self.teacher_answers(teacher, sequence_sampling or Sampling()) if sequence > 0 else None
+
+    def decode(self, gen: Generator, state: Any, chosen: np.ndarray, key: jax.Array, sampling: Sampling) -> tuple:
+        """(prompt tokens, segment ids, positions, answers, their lengths through the stop token) of
+        prompts `chosen`, answered by `gen`'s model with the weights `state`."""
+        tokens, seg, pos = gen.layout([self.prompts[i] for i in chosen], self.max_new)
+        out = mesh.to_host(gen.decode(state, tokens, seg, pos, self.stop, key, sampling, self.max_new)[0])
+        stops = np.asarray(self.stop)[out]
+        lengths = np.where(stops.any(1), stops.argmax(1) + 1, self.max_new)  # through the stop token
+        return np.asarray(tokens), np.asarray(seg), np.asarray(pos), out, lengths
+
+    def teacher_answers(self, teacher: Generator, sampling: Sampling) -> tuple[np.ndarray, np.ndarray]:
+        """Every usable prompt's answer by the teacher (`teacher`, its generator), in batches of a step's rows."""
+        outs, lengths = [], []
+        for start in range(0, len(self.prompts), self.rows):
+            chosen = np.arange(start, min(start + self.rows, len(self.prompts)))
+            key = jax.random.fold_in(jax.random.key(self.seed + 1), start)  # apart from the on-policy keys
+            *_, out, length = self.decode(teacher, teacher.params, chosen, key, sampling)
+            outs.append(out)
+            lengths.append(length)
+        return np.concatenate(outs), np.concatenate(lengths)
 
     def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         self.step += 1
-        if not on_policy_step(self.step, self.share):
+        generated = self.share + self.sequence
+        if not on_policy_step(self.step, generated):
             return self.data.next(params, frozen)
-        student = nnx.state(nnx.merge(self.graphdef, params, frozen).student)
         chosen = np.random.default_rng([self.seed, self.step]).choice(len(self.prompts), self.rows, replace=False)
-        tokens, seg, pos = self.gen.layout([self.prompts[i] for i in chosen], self.max_new)
-        key = jax.random.fold_in(jax.random.key(self.seed), self.step)
-        out = mesh.to_host(self.gen.decode(student, tokens, seg, pos, self.stop, key, self.sampling, self.max_new)[0])
-        stops = np.asarray(self.stop)[out]
-        lengths = np.where(stops.any(1), stops.argmax(1) + 1, self.max_new)  # through the stop token
+        # The generated steps, in turn: the teacher's answers on sequence / (share + sequence) of them.
+        if self.sequence and on_policy_step(int(self.step * generated), self.sequence / generated):
+            tokens, seg, pos = (np.asarray(a) for a in self.gen.layout([self.prompts[i] for i in chosen], self.max_new))
+            out, lengths = self.answers[0][chosen], self.answers[1][chosen]
+            name = "sequence/answer_tokens"
+        else:
+            student = nnx.state(nnx.merge(self.graphdef, params, frozen).student)
+            key = jax.random.fold_in(jax.random.key(self.seed), self.step)
+            tokens, seg, pos, out, lengths = self.decode(self.gen, student, chosen, key, self.sampling)
+            name = "on_policy/answer_tokens"
         answer = (np.arange(self.max_new)[None] < lengths[:, None]).astype(np.int32)
-        tokens, seg, pos = np.asarray(tokens), np.asarray(seg), np.asarray(pos)
         batch = {
             "tokens": np.concatenate([tokens, out * answer], 1),
             "segment_ids": np.concatenate([seg, answer], 1),
             "positions": np.concatenate([pos, pos[:, -1:] + 1 + np.arange(self.max_new)[None]], 1),
             "loss_mask": np.concatenate([np.zeros_like(tokens), answer], 1),
         }
-        batch[SAMPLED] = np.ones_like(batch["tokens"])
-        # Every process samples the same answers (same prompts, same key) and trains on its share.
-        return {k: mesh.mine(v) for k, v in batch.items()}, {"on_policy/answer_tokens": float(lengths.mean())}
+        if name.startswith("on_policy"):  # sampled tokens are no labels: the teacher's distribution alone
+            batch[SAMPLED] = np.ones_like(batch["tokens"])
+        # Every process builds the same rows (same prompts, same key) and trains on its share.
+        return {k: mesh.mine(v) for k, v in batch.items()}, {name: float(lengths.mean())}
 
     def get_state(self) -> dict[str, Any]:
         return {"data": self.data.get_state(), "step": self.step}

@@ -19,7 +19,7 @@ from flax import nnx
 from stagelm.data.loader import MixedRows, PackedRows
 from stagelm.data.rawdata import read_raw
 from stagelm.data.tokenizer import load_tokenizer
-from stagelm.infer.generate import Generator
+from stagelm.infer.generate import Generator, Sampling
 from stagelm.infra.errors import StagelmError
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.model.modeldir import load_model, read_model_context
@@ -89,8 +89,11 @@ def student_from_teacher(teacher: Decoder, cfg: DecoderConfig) -> Decoder:
 
 def as_control(cfg: DistillConfig) -> DistillConfig:
     """The control run's section: the teacher's terms off (its own next-token loss only, as
-    `distill.alpha: 0` would give, without running the teacher) and no on-policy steps."""
-    return dataclasses.replace(cfg, alpha=0.0, temperature=1.0, kl="forward", on_policy=0.0)
+    `distill.alpha: 0` would give, without running the teacher), no on-policy steps and no
+    steps on the teacher's answers."""
+    return dataclasses.replace(
+        cfg, alpha=0.0, temperature=1.0, kl="forward", on_policy=0.0, sequence=0.0, sequence_temperature=0.0
+    )
 
 
 def check_student(cfg: DistillConfig, teacher: DecoderConfig, teacher_dir: Path) -> None:
@@ -129,19 +132,39 @@ def make_distiller(cfg: DistillConfig, teacher_dir: Path, seed: int) -> tuple[Di
     return Distiller(student_from_teacher(teacher, student_cfg), teacher), init
 
 
+def generated_steps(cfg: DistillConfig, raw: Path | None) -> bool:
+    """Whether the run trains on generated answers to the SFT prompts (the student's or the
+    teacher's), which `raw`, the download stage's folder, must then give."""
+    key = next((k for k in ("on_policy", "sequence") if getattr(cfg, k) > 0), None)
+    if key and raw is None:
+        raise StagelmError(f"distill.{key}: {getattr(cfg, key)} answers SFT prompts; pass --raw <download folder>")
+    return key is not None
+
+
 def on_policy_batches(
     cfg: DistillConfig, model: Distiller, rows: MixedRows, teacher_dir: Path, raw: Path, seed: int
 ) -> OnPolicyBatches:
-    """The batches of a run with on-policy steps: the student's answers to the SFT prompts of
-    `raw` (the download stage's folder) on `distill.on_policy` of the steps, `rows` on the rest."""
-    gen = Generator(model.student, load_tokenizer(teacher_dir / "tokenizer.json"), read_model_context(teacher_dir))
+    """The batches of a run with generated answers to the SFT prompts of `raw` (the download
+    stage's folder): the student's on `distill.on_policy` of the steps, the teacher's (answered
+    once, at the start) on `distill.sequence` of them, `rows` on the rest."""
+    tokenizer, context = load_tokenizer(teacher_dir / "tokenizer.json"), read_model_context(teacher_dir)
+    gen = Generator(model.student, tokenizer, context)
     conversations = read_raw(raw, "sft").to_pylist()
     local = cfg.batch_size * cfg.grad_accum
     packed = PackedBatches(rows, local // jax.process_count(), seed)
-    batches = OnPolicyBatches(packed, cfg.on_policy, nnx.graphdef(model), gen, conversations, local, seed)
+    teacher = Generator(model.teacher, tokenizer, context) if cfg.sequence > 0 else None
+    sampling = Sampling(temperature=cfg.sequence_temperature)
+    batches = OnPolicyBatches(
+        packed, cfg.on_policy, nnx.graphdef(model), gen, conversations, local, seed, cfg.sequence, teacher, sampling
+    )
     print(
-        f"on-policy steps: {len(batches.prompts)} SFT prompts, answers of up to {batches.max_new} tokens"
-        + (f" ({batches.skipped} longer prompts leave no room for one)" if batches.skipped else ""),
+        f"generated steps: {len(batches.prompts)} SFT prompts, answers of up to {batches.max_new} tokens"
+        + (f" ({batches.skipped} longer prompts leave no room for one)" if batches.skipped else "")
+        + (
+            f"; the teacher's, at T={cfg.sequence_temperature:g}: {batches.answers[1].mean():.1f} tokens on average"
+            if batches.answers is not None
+            else ""
+        ),
         flush=True,
     )
     return batches

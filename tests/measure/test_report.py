@@ -1,0 +1,37 @@
+"""The report's sentences on post-training: each stage against its parent at each one's best temperature."""
+
+from stagelm.measure.report import at_best_temperatures
+
+
+def eval_of(sampled: float, temps: dict[str, float], n: int = 1000) -> dict:
+    """An eval's metrics as the report reads them: one family, sampled at T=1 and at each temperature."""
+
+    def view(acc: float, t: float) -> dict:
+        se = (acc * (1 - acc) / n) ** 0.5
+        return {
+            "temperature": t,
+            "accuracy": acc,
+            "accuracy_se": se,
+            "n": n,
+            "arithmetic": {"accuracy": acc, "accuracy_se": se},
+        }
+
+    by_t = {k: view(v, float(k)) for k, v in temps.items()}
+    best = max(by_t.values(), key=lambda v: v["accuracy"])["temperature"]
+    return {"chat_sampled": view(sampled, 1.0), "chat_temperatures": by_t, "chat_best_temperature": best}
+
+
+def test_a_sampled_gain_that_a_temperature_gives_is_called_so():
+    sft = eval_of(0.70, {"0.3": 0.85, "0.6": 0.88, "1.0": 0.70})
+    rl = eval_of(0.80, {"0.3": 0.86, "0.6": 0.84, "1.0": 0.80})
+    text = at_best_temperatures(sft, rl, ("sft", "grpo"), ["arithmetic"])
+    assert text.startswith("; at each one's best temperature (sft T=0.6, grpo T=0.3): arithmetic 0.880 → 0.860 (")
+    assert "its sampled gain at T=1 (0.800, from 0.700) is no more than sampling sft at T=0.6 gives for free" in text
+
+
+def test_a_sampled_gain_past_the_parents_best_temperature_is_not_called_free():
+    sft = eval_of(0.70, {"0.3": 0.85, "0.6": 0.88, "1.0": 0.70})
+    rl = eval_of(0.93, {"0.3": 0.95, "0.6": 0.94, "1.0": 0.93})
+    text = at_best_temperatures(sft, rl, ("sft", "grpo"), ["arithmetic"])
+    assert "(sft T=0.6, grpo T=0.3): arithmetic 0.880 → 0.950 (+" in text and "for free" not in text
+    assert at_best_temperatures({"chat_sampled": sft["chat_sampled"]}, rl, ("sft", "grpo"), ["arithmetic"]) == ""
