@@ -24,3 +24,5 @@ napoleon_numpy_docstring = False
 
 # Dataclass fields show their types; those of other libraries have no page here to link to.
 nitpick_ignore_regex = [("py:class", r"(argparse|pathlib|tokenizers|flax|jax|numpy)\..*")]
+# jinja2's own attribute docs, inherited by stagelm.data.template_sandbox.Bounded, name its other attributes
+nitpick_ignore = [("py:attr", "binop_table")]

@@ -1,6 +1,6 @@
 """The report's sentences on post-training: each stage against its parent at each one's best temperature."""
 
-from stagelm.measure.report import at_best_temperatures
+from stagelm.measure.report import at_best_temperatures, beats_control
 
 
 def eval_of(sampled: float, temps: dict[str, float], n: int = 1000) -> dict:
@@ -35,3 +35,16 @@ def test_a_sampled_gain_past_the_parents_best_temperature_is_not_called_free():
     text = at_best_temperatures(sft, rl, ("sft", "grpo"), ["arithmetic"])
     assert "(sft T=0.6, grpo T=0.3): arithmetic 0.880 → 0.950 (+" in text and "for free" not in text
     assert at_best_temperatures({"chat_sampled": sft["chat_sampled"]}, rl, ("sft", "grpo"), ["arithmetic"]) == ""
+
+
+def test_a_student_that_does_not_clear_the_bar_over_its_control_is_told_so():
+    def student(acc: float, loss: float) -> dict:
+        return {"chat": {"arithmetic": {"accuracy": acc, "accuracy_se": 0.014}}, "val_loss": loss}
+
+    control = student(0.720, 0.5037)
+    said = beats_control(control, student(0.752, 0.5055), ["arithmetic"])
+    assert said == (
+        "; it does not beat its control by the bar of +3 SE greedy and a lower val loss "
+        "(arithmetic greedy +1.6 SE, val loss +0.0018 nats)"
+    )
+    assert beats_control(control, student(0.800, 0.5000), ["arithmetic"]).startswith("; it beats its control")

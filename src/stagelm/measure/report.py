@@ -200,6 +200,9 @@ def pass_view(e: dict) -> tuple[str, dict] | None:
     return f"chat, pass@{k} at T={passes['temperature']:g} (first {passes['n'] // max(len(view), 1)} per family)", view
 
 
+BAR_SE = 3.0  # a distilled student beats its control by at least this many standard errors, greedy
+
+
 def stage_table(models: list[dict]) -> list[str]:
     """One row per model and format it is read in: the base model's completion and chat, a tuned
     model's chat, and its chat sampled at the eval's temperature when the eval measured it."""
@@ -328,7 +331,26 @@ def student_sentence(m: dict, teacher: dict, models: list[dict]) -> str:
         if "chat_sampled" in e and "chat_sampled" in c:
             sentence += "; sampled " + ", ".join(change(c["chat_sampled"], e["chat_sampled"], f) for f in families)
         sentence += at_best_temperatures(c, e, (control["name"], m["name"]), families)
+        sentence += beats_control(c, e, families)
     return sentence + "."
+
+
+def beats_control(control: dict, student: dict, families: list[str]) -> str:
+    """Whether the distilled student beats its control by issue 56's bar (greedy ≥ +3 SE on every
+    family and a lower corpus val loss), said in so many words when it does not."""
+    short = []
+    for f in families:
+        a, b = control["chat"][f], student["chat"][f]
+        se = math.hypot(a["accuracy_se"], b["accuracy_se"])
+        if not se or (b["accuracy"] - a["accuracy"]) / se < BAR_SE:
+            short.append(f"{f} greedy {(b['accuracy'] - a['accuracy']) / se if se else 0:+.1f} SE")
+    if student["val_loss"] >= control["val_loss"]:
+        short.append(f"val loss {student['val_loss'] - control['val_loss']:+.4f} nats")
+    if not short:
+        return f"; it beats its control (greedy ≥ +{BAR_SE:g} SE, a lower val loss)"
+    return (
+        f"; it does not beat its control by the bar of +{BAR_SE:g} SE greedy and a lower val loss ({', '.join(short)})"
+    )
 
 
 def tuned_sentence(m: dict, parent: dict) -> str:
