@@ -202,21 +202,27 @@ def test_on_policy_rows_are_the_students_own_answers_scored_by_the_teacher_alone
     assert float(aux["kl"]) > 0
 
 
+def trained_on(model, source, loss_fn, steps=30) -> list[dict]:
+    """Each step's metrics of `steps` train steps of `model`'s student on `source`'s batches (lr 1e-2, no warmup)."""
+    graphdef, params, frozen = nnx.split(model, STUDENT, ...)
+    cfg = dataclasses.replace(load_section(micro_params(), "distill"), lr=1e-2, steps=steps, warmup_steps=0)
+    tx = make_optimizer(cfg, params)
+    state = init_state(params, tx, jax.random.key(0))
+    step = make_train_step(graphdef, tx, loss_fn)
+    metrics = []
+    for _ in range(steps):
+        batch, _ = source.next(state.params, frozen)
+        state, m = step(state, frozen, {k: v[None] for k, v in batch.items()})
+        metrics.append(m)
+    return metrics
+
+
 def test_on_policy_distillation_pulls_the_students_answers_toward_the_teacher(micro_data, pretrained):
     """Every step on the student's own answers: the teacher's KL on them falls."""
     teacher = load_model(pretrained)
     model = Distiller(Decoder(dataclasses.replace(teacher.cfg, n_layers=1), nnx.Rngs(0)), teacher)
     source, _ = on_policy_source(micro_data, model, 1.0)
-    graphdef, params, frozen = nnx.split(model, STUDENT, ...)
-    cfg = dataclasses.replace(load_section(micro_params(), "distill"), lr=1e-2, steps=30, warmup_steps=0)
-    tx = make_optimizer(cfg, params)
-    state = init_state(params, tx, jax.random.key(0))
-    step = make_train_step(graphdef, tx, distill_loss(0.5, 1.0))
-    kls = []
-    for _ in range(30):
-        batch, _ = source.next(state.params, frozen)
-        state, metrics = step(state, frozen, {k: v[None] for k, v in batch.items()})
-        kls.append(float(metrics["kl"]) / float(metrics["tokens"]))
+    kls = [float(m["kl"]) / float(m["tokens"]) for m in trained_on(model, source, distill_loss(0.5, 1.0))]
     assert np.mean(kls[-5:]) < 0.5 * np.mean(kls[:5]), kls
 
 
@@ -249,16 +255,7 @@ def test_sequence_kd_teaches_the_student_the_teachers_answers(micro_data, pretra
     teacher = load_model(pretrained)
     model = Distiller(Decoder(dataclasses.replace(teacher.cfg, n_layers=1), nnx.Rngs(0)), teacher)
     source, _ = on_policy_source(micro_data, model, 0.0, sequence=1.0)
-    graphdef, params, frozen = nnx.split(model, STUDENT, ...)
-    cfg = dataclasses.replace(load_section(micro_params(), "distill"), lr=1e-2, steps=30, warmup_steps=0)
-    tx = make_optimizer(cfg, params)
-    state = init_state(params, tx, jax.random.key(0))
-    step = make_train_step(graphdef, tx, distill_loss(0.0, 1.0))
-    losses = []
-    for _ in range(30):
-        batch, _ = source.next(state.params, frozen)
-        state, metrics = step(state, frozen, {k: v[None] for k, v in batch.items()})
-        losses.append(float(metrics["loss"]))
+    losses = [float(m["loss"]) for m in trained_on(model, source, distill_loss(0.0, 1.0))]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
 
 

@@ -178,15 +178,14 @@ class OnPolicyBatches:
             return self.data.next(params, frozen)
         chosen = np.random.default_rng([self.seed, self.step]).choice(len(self.prompts), self.rows, replace=False)
         # The generated steps, in turn: the teacher's answers on sequence / (share + sequence) of them.
-        if self.sequence and on_policy_step(int(self.step * generated), self.sequence / generated):
+        teachers = bool(self.sequence) and on_policy_step(int(self.step * generated), self.sequence / generated)
+        if teachers:
             tokens, seg, pos = (np.asarray(a) for a in self.gen.layout([self.prompts[i] for i in chosen], self.max_new))
             out, lengths = self.answers[0][chosen], self.answers[1][chosen]
-            name = "sequence/answer_tokens"
         else:
             student = nnx.state(nnx.merge(self.graphdef, params, frozen).student)
             key = jax.random.fold_in(jax.random.key(self.seed), self.step)
             tokens, seg, pos, out, lengths = self.decode(self.gen, student, chosen, key, self.sampling)
-            name = "on_policy/answer_tokens"
         answer = (np.arange(self.max_new)[None] < lengths[:, None]).astype(np.int32)
         batch = {
             "tokens": np.concatenate([tokens, out * answer], 1),
@@ -194,8 +193,9 @@ class OnPolicyBatches:
             "positions": np.concatenate([pos, pos[:, -1:] + 1 + np.arange(self.max_new)[None]], 1),
             "loss_mask": np.concatenate([np.zeros_like(tokens), answer], 1),
         }
-        if name.startswith("on_policy"):  # sampled tokens are no labels: the teacher's distribution alone
+        if not teachers:  # the student's sampled tokens are no labels: the teacher's distribution alone
             batch[SAMPLED] = np.ones_like(batch["tokens"])
+        name = "sequence/answer_tokens" if teachers else "on_policy/answer_tokens"
         # Every process builds the same rows (same prompts, same key) and trains on its share.
         return {k: mesh.mine(v) for k, v in batch.items()}, {name: float(lengths.mean())}
 
