@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from stagelm.infra.devices import hbm_bandwidth, peak_flops  # noqa: E402
 from stagelm.measure.microbench import bench_decode, bench_train, matmul_flops  # noqa: E402
+from stagelm.model import attention_kernels  # noqa: E402
 from stagelm.model.attention_kernels import splash_attention  # noqa: E402
 from stagelm.model.decoder import DecoderConfig, attention, flops_per_token, row_causal_mask  # noqa: E402
 from stagelm.model.footprint import dtype_bytes, param_count, train_step_bytes  # noqa: E402
@@ -46,6 +47,8 @@ RUNS = [  # the presets' shapes and the published ones, each at its fastest meas
     ("gpt2-small", 1024, 4, 16, "none", False),
     ("smollm2-135m", 2048, 2, 32, "none", False),  # stagelm preset tpu-smollm2-135m
     ("d1024-l8-h4", 2048, 8, 8, "none", True),  # scanned: the first step's compile time
+    ("gpt2-small", 1024, 4, 16, "none", True),  # 12 layers scanned
+    ("smollm2-135m", 2048, 2, 32, "none", True),  # 30 layers scanned
 ]
 DECODE = ("smollm2-135m", (1, 8, 64), 128, 128)  # shape, batches, prompt and new tokens
 
@@ -101,6 +104,7 @@ def train_entry(
         "remat": remat,
         "scan_layers": scan,
         "attention": "auto",
+        "splash": attention_kernels.tuning_defaults(cfg.head_dim) | attention_kernels.TUNING,  # what the kernel ran
         "dtype": cfg.dtype,
         "params": param_count(**shape),
     }
@@ -163,6 +167,12 @@ def decode_entries(name: str, batches: tuple, prompt: int, new: int) -> list[dic
     return entries
 
 
+def parse_tuning(text: str) -> dict:
+    """`fused_bwd:1,block_q:1024,k_layout:SEQ_MINOR` → {"fused_bwd": 1, "block_q": 1024, "k_layout": "SEQ_MINOR"}."""
+    pairs = (item.split(":", 1) for item in text.split(",") if item)
+    return {key: int(value) if value.isdigit() else value for key, value in pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -171,6 +181,13 @@ def main() -> None:
     parser.add_argument("--no-decode", action="store_true", help="train entries only")
     parser.add_argument("--unscanned", action="store_true", help="leave out the scanned entries")
     parser.add_argument("--profile", action="store_true", help="profile one more step of each train entry")
+    parser.add_argument(
+        "--splash",
+        nargs="*",
+        default=[""],
+        metavar="KEY:VALUE,...",
+        help="splash kernel settings to run each train entry with (attention_kernels.TUNING), e.g. fused_bwd:1",
+    )
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later entries are left out")
     args = parser.parse_args()
     start = time.perf_counter()
@@ -181,21 +198,30 @@ def main() -> None:
         "peak_flops_bf16": peak_flops("bfloat16"),
         "hbm_bandwidth": hbm_bandwidth(),
         "matmul_bf16_8192_flops_per_sec": float(np.median(matmul_flops(8192, "bfloat16", 2, 10))),
-        "splash_check": splash_check() if jax.default_backend() == "tpu" else None,
+        "splash_check": [],  # the compiled kernel against the reference, with each --splash setting
         "train": [],
         "decode": [],
         "left_out": [],
     }
+    for tuning in args.splash if jax.default_backend() == "tpu" else ():
+        attention_kernels.TUNING.clear()
+        attention_kernels.TUNING.update(parse_tuning(tuning))
+        result["splash_check"].append({"splash": tuning, **splash_check()})
     for name, seq_len, batch, accum, remat, scan in RUNS:
         if args.only and name not in args.only or args.unscanned and scan:
             continue
-        if time.perf_counter() - start > args.budget:
-            result["left_out"].append(dict(name=name, seq_len=seq_len, batch=batch, accumulation=accum, remat=remat))
-            continue
-        entry = train_entry(name, seq_len, batch, accum, remat, scan, args.steps, args.profile)
-        print(json.dumps(entry), flush=True)
-        result["train"].append(entry)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        for tuning in args.splash:
+            if time.perf_counter() - start > args.budget:
+                left = dict(name=name, seq_len=seq_len, batch=batch, accumulation=accum, remat=remat, splash=tuning)
+                result["left_out"].append(left)
+                continue
+            attention_kernels.TUNING.clear()
+            attention_kernels.TUNING.update(parse_tuning(tuning))
+            entry = train_entry(name, seq_len, batch, accum, remat, scan, args.steps, args.profile)
+            print(json.dumps(entry), flush=True)
+            result["train"].append(entry)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+    attention_kernels.TUNING.clear()
     name, batches, prompt, new = DECODE
     if not args.no_decode and (not args.only or name in args.only):
         result["decode"] = decode_entries(name, batches, prompt, new)

@@ -11,21 +11,44 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from stagelm.model.footprint import train_step_bytes  # noqa: E402
+
 PAGE = ROOT / "docs/accelerators.md"
 BEGIN, END = "<!-- accelerator-table: begin -->", "<!-- accelerator-table: end -->"
 
 
+def kernel(entry: dict) -> str:
+    """The splash settings an entry ran: the two-pass backward of the first files, or its `splash`."""
+    tuning = dict(entry.get("splash") or {})
+    words = ["fused" if tuning.pop("fused_bwd", 0) else "two-pass"]
+    if tuning.pop("k_layout", "HEAD_DIM_MINOR") == "SEQ_MINOR":
+        words.append("k seq-minor")
+    return ", ".join(words + [f"{k} {v}" for k, v in tuning.items()])
+
+
+def estimate(entry: dict) -> int:
+    """`stagelm check`'s arithmetic for the entry's step as the code gives it now: the training
+    state (float32 masters, gradients, Adam's moments) and `train_step_bytes` with splash."""
+    shape = {k: entry[k] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")}
+    cfg = SimpleNamespace(**shape, dtype=entry["dtype"], remat=entry["remat"], attention="splash")
+    cfg.scan_layers = entry["scan_layers"]
+    return 16 * entry["params"] + train_step_bytes(cfg, entry["micro_batch"], entry["seq_len"])
+
+
 def tables(files: list[Path]) -> str:
     train = [
-        "| file | shape | heads × size | seq | rows (micro × accum) | remat | scan | tok/s | MFU | first step (s) "
-        "| XLA bytes | estimate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| file | shape | heads × size | seq | rows (micro × accum) | remat | scan | splash | tok/s | MFU "
+        "| first step (s) | XLA bytes | estimate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     profile = [
-        "| file | shape | heads × size | MFU | splash kernels | copies | gradient sums | largest op kinds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| file | shape | heads × size | splash | MFU | splash kernels | copies | gradient sums | largest op kinds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     decode = [
         "| file | shape | batch | tok/s | bandwidth bound (tok/s) | of the bound |",
@@ -37,12 +60,12 @@ def tables(files: list[Path]) -> str:
         for e in result["train"]:
             rows = f"{e['batch']} ({e['micro_batch']} × {e['accumulation']})"
             head = f"{e['name']} | {e['n_heads']} × {e['head_dim']} | {e['seq_len']} | {rows} | {e['remat']} | "
-            head += "yes" if e["scan_layers"] else "no"
+            head += ("yes" if e["scan_layers"] else "no") + f" | {kernel(e)}"
             if "error" in e:
                 train.append(f"| {tag} | {head} | {e['error'][:60]} | | | | |")
                 continue
             memory = (
-                f"{e['compiled_bytes'] / 2**30:.1f} GiB | {e['estimated_bytes'] / 2**30:.1f} GiB"
+                f"{e['compiled_bytes'] / 2**30:.1f} GiB | {estimate(e) / 2**30:.1f} GiB"
                 if "compiled_bytes" in e
                 else " | "
             )
@@ -57,7 +80,7 @@ def tables(files: list[Path]) -> str:
                 copies = sum(v for k, v in shares.items() if k.split("-")[0] == "copy")
                 top = ", ".join(f"{k} {v:.0%}" for k, v in list(shares.items())[:4])
                 profile.append(
-                    f"| {tag} | {e['name']} | {e['n_heads']} × {e['head_dim']} | {e['mfu']:.1%} | "
+                    f"| {tag} | {e['name']} | {e['n_heads']} × {e['head_dim']} | {kernel(e)} | {e['mfu']:.1%} | "
                     f"{attention:.0%} | {copies:.0%} | {shares.get('select_add_fusion', 0):.0%} | {top} |"
                 )
         for e in result.get("decode", []):

@@ -1,16 +1,17 @@
-"""llama.cpp as the decode peer: the same model, as an F32 GGUF, in llama-cpp-python against stagelm.
+"""llama.cpp as the decode peer: the same model, as GGUF files, in llama-cpp-python against stagelm.
 
     python -m venv ~/.cache/llamacpp && CMAKE_BUILD_PARALLEL_LEVEL=2 ~/.cache/llamacpp/bin/pip install \\
         llama-cpp-python==0.3.36 numpy                                   # builds llama.cpp: ~20 min on 2 cores
     stagelm import-gguf SmolLM2-135M-Instruct.Q4_1.gguf smollm2   # a model directory
-    python benchmarks/llama_cpp.py smollm2 --llama-python ~/.cache/llamacpp/bin/python
+    python benchmarks/llama_cpp.py smollm2 --llama-python ~/.cache/llamacpp/bin/python [--dtypes float32 q8_0]
     python benchmarks/llama_cpp.py runs/sft/model --llama-python ...    # a stagelm-trained model too
 
-Exports the model with `stagelm export-gguf` (float32), then times greedy decoding of
-`--new-tokens` tokens after a `--prompt-len`-token prompt at batch 1 and 8: stagelm's
-KV-cache generator (one jitted loop), and llama.cpp through its C API (`llama_decode` on one
-batch of every sequence's next token, each sequence its own KV cache cells), 2 threads,
-in the same run, alternating, the median of `--reps` after a warm-up. It also checks that
+Exports the model with `stagelm export-gguf` in each of `--dtypes` (float32 by default),
+then times greedy decoding of `--new-tokens` tokens after a `--prompt-len`-token prompt at
+batch 1 and 8: stagelm's KV-cache generator (one jitted loop, the model directory's float32
+weights), and llama.cpp through its C API (`llama_decode` on one batch of every sequence's
+next token, each sequence its own KV cache cells), 2 threads, in the same run, the median
+of `--reps` after a warm-up. It also checks that
 the two agree: llama.cpp's tokenizer (the GGUF's `tokenizer.ggml.pre`) splits sample texts
 into stagelm's ids, and the first greedy tokens at batch 1 are the same. One JSON line
 per figure; the table in docs/speed.md is made from them.
@@ -101,6 +102,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        help="export.gguf_dtype values: one GGUF file and llama.cpp run each",
+    )
     args = parser.parse_args()
 
     from stagelm.infer.generate import load_generator
@@ -114,16 +121,19 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = rng.integers(100, vocab - 100, (8, args.prompt_len)).tolist()
     machine = {"cpu": cpu_model(), "matmul_gflops": matmul_gflops()}
+    peers = {}
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = export_gguf(args.model, Path(tmp) / "model.gguf", "float32")
-        cmd = [args.llama_python, "-c", PEER, str(gguf), json.dumps(TEXTS), json.dumps(prompts)]
-        peer = subprocess.run([*cmd, str(args.new_tokens), str(args.reps)], capture_output=True, text=True)
-        if peer.returncode != 0:
-            sys.exit(f"llama.cpp side failed:\n{peer.stderr[-2000:]}")
-        theirs = json.loads(peer.stdout.strip().splitlines()[-1])
+        for dtype in args.dtypes:
+            gguf = export_gguf(args.model, Path(tmp) / f"model-{dtype}.gguf", dtype)
+            cmd = [args.llama_python, "-c", PEER, str(gguf), json.dumps(TEXTS), json.dumps(prompts)]
+            peer = subprocess.run([*cmd, str(args.new_tokens), str(args.reps)], capture_output=True, text=True)
+            if peer.returncode != 0:
+                sys.exit(f"llama.cpp side failed on the {dtype} file:\n{peer.stderr[-2000:]}")
+            peers[dtype] = json.loads(peer.stdout.strip().splitlines()[-1]) | {"gguf_bytes": gguf.stat().st_size}
 
     ours = [gen.tokenizer.encode(t).ids for t in TEXTS]
-    print(json.dumps({"check": "tokenizer", "same_ids": ours == theirs["tokens"], **machine}))
+    for dtype, theirs in peers.items():
+        print(json.dumps({"check": "tokenizer", "gguf_dtype": dtype, "same_ids": ours == theirs["tokens"], **machine}))
     for b in (1, 8):
         rows = prompts[:b]
         first = [c.tokens for c in gen.generate(rows, args.new_tokens, until_stop=False)]
@@ -132,24 +142,24 @@ def main() -> None:
             t0 = time.perf_counter()
             gen.generate(rows, args.new_tokens, until_stop=False)
             times.append(time.perf_counter() - t0)
-        pairs = zip(first, theirs[f"b{b}"]["greedy"], strict=True)
-        agree = [int(np.argmin(np.array(a + [-1]) == np.array(t + [-2]))) for a, t in pairs]
         stagelm_tps = b * args.new_tokens / statistics.median(times)
-        llama_tps = b * args.new_tokens / theirs[f"b{b}"]["seconds"]
-        print(
-            json.dumps(
-                {
-                    "batch": b,
-                    "stagelm_tokens_per_sec": round(stagelm_tps, 1),
-                    "llama_cpp_tokens_per_sec": round(llama_tps, 1),
-                    "ratio": round(stagelm_tps / llama_tps, 2),
-                    "greedy_tokens_agreeing_before_first_difference": agree,
-                    "model": str(args.model),
-                    "params": count_params(gen.model),
-                    **machine,
-                }
-            )
-        )
+        for dtype, theirs in peers.items():
+            pairs = zip(first, theirs[f"b{b}"]["greedy"], strict=True)
+            agree = [int(np.argmin(np.array(a + [-1]) == np.array(t + [-2]))) for a, t in pairs]
+            llama_tps = b * args.new_tokens / theirs[f"b{b}"]["seconds"]
+            line = {
+                "batch": b,
+                "gguf_dtype": dtype,
+                "gguf_bytes": theirs["gguf_bytes"],
+                "stagelm_tokens_per_sec": round(stagelm_tps, 1),
+                "llama_cpp_tokens_per_sec": round(llama_tps, 1),
+                "ratio": round(stagelm_tps / llama_tps, 2),
+                "greedy_tokens_agreeing_before_first_difference": agree,
+                "model": str(args.model),
+                "params": count_params(gen.model),
+                **machine,
+            }
+            print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -251,6 +251,8 @@ def test_a_checkpoint_without_a_chat_template_is_text_only(micro_data, tmp_path)
             {"rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}},
             "partial_rotary_factor 0.5 is not 1.0",
         ),
+        ({"rope_theta": [1, 2]}, "rope_theta = [1, 2]; expected a positive number"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings = 'yes'; expected true or false"),
     ],
 )
 def test_unsupported_configurations_fail_naming_the_field(micro_data, tmp_path, overrides, field):

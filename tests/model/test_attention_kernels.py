@@ -11,8 +11,9 @@ from flax import nnx
 
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.mesh import make_mesh
+from stagelm.model import attention_kernels
 from stagelm.model.attention_kernels import kernel_for, require_kernel, splash_attention
-from stagelm.model.decoder import Decoder, DecoderConfig, attention, row_causal_mask
+from stagelm.model.decoder import Decoder, DecoderConfig, attention, halves, row_causal_mask
 
 T = 256  # two of splash's 128-token blocks in interpret mode
 
@@ -24,12 +25,22 @@ def packed_rows():
     return jnp.asarray(seg), jnp.asarray(pos)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_splash_equals_the_reference_with_its_gradients(heads, kv_heads):
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "tuning"),
+    [
+        (4, 4, 32, {}),  # the defaults for narrow heads: the fused backward, k sequence-minor
+        (4, 2, 32, {}),
+        (6, 1, 32, {}),
+        (2, 1, 128, {}),  # for heads of 128 and wider: the fused backward, k head-minor
+        (4, 2, 32, {"fused_bwd": 0, "k_layout": "HEAD_DIM_MINOR"}),  # the two-pass backward
+    ],
+)
+def test_splash_equals_the_reference_with_its_gradients(heads, kv_heads, head_dim, tuning, monkeypatch):
+    monkeypatch.setattr(attention_kernels, "TUNING", tuning)
     seg, pos = packed_rows()
     keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (2, T, heads, 32))
-    k, v = (jax.random.normal(key, (2, T, kv_heads, 32)) for key in keys[1:3])
+    q = jax.random.normal(keys[0], (2, T, heads, head_dim))
+    k, v = (jax.random.normal(key, (2, T, kv_heads, head_dim)) for key in keys[1:3])
     weight = jax.random.normal(keys[3], q.shape)
     mask = row_causal_mask(seg, pos)
 
@@ -43,6 +54,13 @@ def test_splash_equals_the_reference_with_its_gradients(heads, kv_heads):
     want, got = jax.grad(reference, (0, 1, 2))(q, k, v), jax.grad(splash, (0, 1, 2))(q, k, v)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_allclose(b, a, atol=2e-5)
+
+
+def test_halves_are_the_fused_projections_parts():
+    y = jax.random.normal(jax.random.key(0), (2, 5, 2, 3, 4))
+    first, second = halves(y)
+    np.testing.assert_array_equal(first, y[:, :, 0])
+    np.testing.assert_array_equal(second, y[:, :, 1])
 
 
 CFG = DecoderConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48)

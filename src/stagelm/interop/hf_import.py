@@ -36,6 +36,13 @@ def hf_float(c: dict[str, Any], field: str, path: Path, default: float | None = 
     return config_float(c.get(field, default), field, path)
 
 
+def hf_bool(c: dict[str, Any], field: str, path: Path, default: bool) -> bool:
+    value = c.get(field, default)
+    if not isinstance(value, bool):
+        raise StagelmError(f"{path}: {field} = {value!r}; expected true or false")
+    return value
+
+
 def rope_theta(c: dict[str, Any], path: Path) -> float:
     """The RoPE base of a config.json in either layout, refusing any scaling stagelm does not compute.
     A field the checkpoint has is never replaced by a default: only a config with neither
@@ -62,11 +69,10 @@ def rope_theta(c: dict[str, Any], path: Path) -> float:
         "rope_parameters.rope_theta": params.get("rope_theta") if isinstance(params, dict) else None,
         "rope_scaling.rope_theta": scaling.get("rope_theta") if isinstance(scaling, dict) else None,
     }
-    given = {k: v for k, v in found.items() if v is not None}
+    given = {k: hf_float({k: v}, k, path) for k, v in found.items() if v is not None}
     if len(set(given.values())) > 1:
         raise StagelmError(f"{path}: RoPE bases disagree ({given}); keep one")
-    key = next(iter(given), "rope_theta")
-    return hf_float({key: given.get(key, 10000.0)}, key, path)
+    return next(iter(given.values()), 10000.0)
 
 
 def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
@@ -99,7 +105,7 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
         d_ff=hf_int(c, "intermediate_size", path),
         rope_theta=rope_theta(c, path),
         norm_eps=hf_float(c, "rms_norm_eps", path, 1e-6),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_embeddings=hf_bool(c, "tie_word_embeddings", path, False),
         init_std=hf_float(c, "initializer_range", path, 0.02),
     )
     return cfg, hf_int(c, "max_position_embeddings", path, default=2048)

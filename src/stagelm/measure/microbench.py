@@ -128,7 +128,8 @@ def op_breakdown(seconds: dict[str, float]) -> dict[str, Any]:
     """{op kind: share of the device time} from {XLA op (its HLO text, `%name.N = ...`): seconds}:
     each op by its name without its number (`fusion`, `convolution_convert_fusion`, a splash
     kernel's `splash_mha_fwd_segmented_residuals` ...). A `while` op's time is its body's ops'
-    (listed too), so it is left out of the total."""
+    (listed too), so it is left out of the total. `top_ops`: the largest single op of each of the ten
+    largest kinds, with the start of its HLO text (its shapes and layouts) and its share."""
     kinds: dict[str, float] = {}
     for text, s in seconds.items():
         kind = re.sub(r"\.\d+$", "", text.split(" = ")[0].lstrip("%"))
@@ -136,7 +137,15 @@ def op_breakdown(seconds: dict[str, float]) -> dict[str, Any]:
             kinds[kind] = kinds.get(kind, 0.0) + s
     total = sum(kinds.values())
     ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
-    return {"device_seconds": total, "shares": {k: round(v / total, 4) for k, v in ranked if v / total >= 0.001}}
+    largest: dict[str, tuple[float, str]] = {}
+    for text, s in seconds.items():
+        kind = re.sub(r"\.\d+$", "", text.split(" = ")[0].lstrip("%"))
+        largest[kind] = max(largest.get(kind, (0.0, "")), (s, text))
+    return {
+        "device_seconds": total,
+        "shares": {k: round(v / total, 4) for k, v in ranked if v / total >= 0.001},
+        "top_ops": [[largest[k][1][:400], round(largest[k][0] / total, 4)] for k, _ in ranked[:10]],
+    }
 
 
 def bench_decode(

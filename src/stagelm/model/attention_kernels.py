@@ -55,25 +55,41 @@ def block_size(seq_len: int) -> int:
     return next((b for b in (MAX_BLOCK, 256, BLOCK) if seq_len % b == 0), seq_len)
 
 
+# How the kernel tiles rows and runs its backward pass, beyond `block_size` and `tuning_defaults`:
+# splash.BlockSizes' fields by name (`fused_bwd` for use_fused_bwd_kernel; layouts by
+# QKVLayout's names). benchmarks/accelerator.py --splash measures alternatives on a chip.
+TUNING: dict = {}
+
+
+def tuning_defaults(head_dim: int) -> dict:
+    """The settings measured fastest on a v5e (docs/accelerators.md): the fused backward pass (dq
+    beside dk and dv, one pass over the blocks instead of two) at every shape; k stored with the
+    sequence minor where heads are narrower than the 128-wide matrix unit."""
+    return {"fused_bwd": 1, **({"k_layout": "SEQ_MINOR"} if head_dim < BLOCK else {})}
+
+
 @functools.cache
-def splash_kernel(seq_len: int, n_heads: int, interpret: bool):
+def splash_kernel(seq_len: int, n_heads: int, head_dim: int, interpret: bool, tuning: tuple = ()):
     """A causal splash kernel over one row: q (H, T, Dh), k and v (K, T, Dh), SegmentIds of (T,)."""
     b = block_size(seq_len)
-    sizes = splash.BlockSizes(
-        block_q=b,
-        block_kv=b,
-        block_kv_compute=b,
-        block_q_dkv=b,
-        block_kv_dkv=b,
-        block_kv_dkv_compute=b,
-        block_q_dq=b,
-        block_kv_dq=b,
-    )
+    options = tuning_defaults(head_dim) | dict(tuning)
+    fused = bool(options.pop("fused_bwd"))
+    sizes = dict(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b)
+    if not fused:  # the fused backward computes dq beside dk and dv, in the dkv kernel's blocks
+        sizes |= dict(block_q_dq=b, block_kv_dq=b)
+    for key, value in options.items():
+        sizes[key] = splash.QKVLayout[value] if key.endswith("_layout") else value
     mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * n_heads)
     # Built once per shape and kept: its mask tables must be constants, not values of the trace
     # that first asked for it.
     with jax.ensure_compile_time_eval():
-        return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+        return splash.make_splash_mha(
+            mask,
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=splash.BlockSizes(**sizes, use_fused_bwd_kernel=fused),
+            interpret=interpret,
+        )
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -83,7 +99,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
     def rows(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
         _, t, h, dh = q.shape
-        kernel = splash_kernel(t, h, jax.default_backend() != "tpu")
+        kernel = splash_kernel(t, h, dh, jax.default_backend() != "tpu", tuple(sorted(TUNING.items())))
         heads_first = (0, 2, 1, 3)
         out = jax.vmap(kernel)(
             (q * dh**-0.5).transpose(heads_first),

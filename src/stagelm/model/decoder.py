@@ -206,6 +206,16 @@ def matmul(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
     return y.reshape(*lead, *w.shape[in_dims:])
 
 
+def halves(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """y[:, :, 0] and y[:, :, 1] of a fused projection's (B, T, 2, ...) output, as the two halves
+    of each row's flat product: their gradient is then one concatenation along the minor axis,
+    which a TPU lays out with no copy (indexing the axis of 2 cost a layout copy per layer and
+    pass, benchmarks/accelerator.py --profile). The same values either way."""
+    b, t, _, *rest = y.shape
+    first, second = jnp.split(y.reshape(b, t, -1), 2, axis=-1)
+    return first.reshape(b, t, *rest), second.reshape(b, t, *rest)
+
+
 class Projection(nnx.Module):
     """One weight `w` of a block applied as x @ w over w's first `in_dims` axes, plus the
     LoRA adapter on it (`lora`: nnx.LoRA, x·A·B with B starting at zero) when
@@ -251,8 +261,8 @@ class Attention(nnx.Module):
         self, x: jax.Array, rot: Rotary, rng: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         q = self.q(x, rng)  # (B, T, H, Dh)
-        kv = self.kv(x, rng)  # (B, T, 2, K, Dh)
-        return rope(q, rot), rope(kv[:, :, 0], rot), kv[:, :, 1]
+        k, v = halves(self.kv(x, rng))  # (B, T, 2, K, Dh) → two (B, T, K, Dh)
+        return rope(q, rot), rope(k, rot), v
 
     def __call__(
         self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, rng: jax.Array | None = None
@@ -284,8 +294,8 @@ class MLP(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-        gu = self.gate_up(x, rng)  # (B, T, 2, F)
-        h = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], ("batch", "seq", "mlp"))  # SwiGLU (Shazeer, 2020)
+        gate, up = halves(self.gate_up(x, rng))  # (B, T, 2, F) → two (B, T, F)
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # SwiGLU (Shazeer, 2020)
         return self.down(h, rng)
 
 
