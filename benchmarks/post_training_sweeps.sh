@@ -99,7 +99,7 @@ case "${1:?which sweep: grpo1 … grpo8 | distill1 | distill2 | distill3 | seeds
     # last 80 steps on every seed, and the arithmetic completion follows the final loss (0.898 / 0.827 / 0.764
     # at 0.489 / 0.500 / 0.508 on seeds 1 / 0 / 2). Half as many steps again, through SFT's eval only
     for seed in 0 1 2; do
-      dvc exp run --queue -S seed=$seed -S training.steps=600 --name b1steps600-s$seed eval@sft
+      dvc exp run --queue -S seed=$seed -S training.steps=600 --name b1steps600-s$seed eval@sft eval@pretrain
     done
     ;;
   *) echo "unknown sweep $1" >&2; exit 2 ;;
