@@ -97,9 +97,14 @@ case "${1:?which sweep: grpo1 … grpo8 | distill1 | distill2 | distill3 | seeds
     ;;
   base1)  # seeds 0, 1, 2 (issue 56, item 4): pretraining's val loss still falls 0.03 to 0.04 nats over its
     # last 80 steps on every seed, and the arithmetic completion follows the final loss (0.898 / 0.827 / 0.764
-    # at 0.489 / 0.500 / 0.508 on seeds 1 / 0 / 2). Half as many steps again, through SFT's eval only
+    # at 0.489 / 0.500 / 0.508 on seeds 1 / 0 / 2). Half as many steps again, through pretrain's and SFT's
+    # evals (7385f41 ran these as b1steps600-s* for eval@sft and b1pt600-s* for eval@pretrain), then every
+    # stage downstream
     for seed in 0 1 2; do
       dvc exp run --queue -S seed=$seed -S training.steps=600 --name b1steps600-s$seed eval@sft eval@pretrain
+    done
+    for seed in 0 1 2; do
+      dvc exp run --queue -S seed=$seed -S training.steps=600 --name b1full600-s$seed
     done
     ;;
   *) echo "unknown sweep $1" >&2; exit 2 ;;

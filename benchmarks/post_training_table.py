@@ -3,6 +3,7 @@ and the distilled student beside its control, for the named experiments and the 
 
     python benchmarks/post_training_table.py defaults-s1 defaults-s2          # the defaults on seeds 1, 2
     python benchmarks/post_training_table.py d3seq-s0 d3seq-s1 d3seq-s2       # a distillation recipe
+    python benchmarks/post_training_table.py b1full600-s0 b1full600-s1 --rev 7385f41  # another commit's
 
 Accuracy is on the held-out arithmetic prompts (pooled over the families: one family by default);
 a difference is in standard errors of the difference. A queued experiment that has not finished
@@ -15,9 +16,11 @@ import subprocess
 import sys
 
 
-def runs(names: list[str]) -> dict[str, dict]:
-    """{name: {eval file: metrics}} of the workspace (as `workspace`) and the named experiments."""
-    shown = json.loads(subprocess.run(["dvc", "exp", "show", "--json"], capture_output=True, text=True).stdout)
+def runs(names: list[str], rev: str | None = None) -> dict[str, dict]:
+    """{name: {eval file: metrics}} of the workspace (as `workspace`) and the named experiments (of the
+    commit `rev` when given, else of HEAD)."""
+    cmd = ["dvc", "exp", "show", "--json", *(["--rev", rev] if rev else [])]
+    shown = json.loads(subprocess.run(cmd, capture_output=True, text=True).stdout)
     found = {}
     for commit in shown:
         revs = [("workspace", commit)] if commit["rev"] == "workspace" else []
@@ -40,8 +43,10 @@ def best(e: dict) -> dict:
 
 
 def main() -> None:
-    names = sys.argv[1:] or ["workspace"]
-    found = runs(names)
+    args = sys.argv[1:]
+    rev = args[args.index("--rev") + 1] if "--rev" in args else None
+    names = [a for a in args if a not in ("--rev", rev)] or ["workspace"]
+    found = runs(names, rev)
     ev = {
         n: {m: found[n][f"runs/eval/{m}/metrics.json"] for m in ("sft", "grpo", "distill", "distill_control")}
         for n in names
