@@ -31,7 +31,7 @@ from stagelm.measure.microbench import bench_decode, bench_train, matmul_flops  
 from stagelm.model import attention_kernels  # noqa: E402
 from stagelm.model.attention_kernels import splash_attention  # noqa: E402
 from stagelm.model.decoder import DecoderConfig, attention, flops_per_token, row_causal_mask  # noqa: E402
-from stagelm.model.footprint import dtype_bytes, param_count, train_step_bytes  # noqa: E402
+from stagelm.model.footprint import dtype_bytes, param_count, train_step_bytes, training_state_bytes  # noqa: E402
 
 SHAPES = {  # name → decoder shape and vocabulary
     "d1024-l8-h8": dict(d_model=1024, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=3584, vocab_size=32768),
@@ -136,7 +136,9 @@ def train_entry(
     entry["flops_per_token"] = flops_per_token(cfg, seq_len)
     entry["mfu"] = entry["tokens_per_sec"] * entry["flops_per_token"] / peak_flops("bfloat16")
     entry["compiled_bytes"] = compiled["bytes"]  # XLA's figure: arguments, temporaries and outputs of the step
-    entry["estimated_bytes"] = 4 * entry["params"] * 4 + train_step_bytes(cfg, batch, seq_len)
+    entry["estimated_bytes"] = training_state_bytes(entry["params"], cfg.param_dtype) + train_step_bytes(
+        cfg, batch, seq_len
+    )
     if profile:
         entry["profile"] = out["profile"]  # where one step's device time goes, by XLA op
     return entry

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from stagelm.model.footprint import train_step_bytes  # noqa: E402
+from stagelm.model.footprint import train_step_bytes, training_state_bytes  # noqa: E402
 
 PAGE = ROOT / "docs/accelerators.md"
 BEGIN, END = "<!-- accelerator-table: begin -->", "<!-- accelerator-table: end -->"
@@ -37,7 +37,8 @@ def estimate(entry: dict) -> int:
     shape = {k: entry[k] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size")}
     cfg = SimpleNamespace(**shape, dtype=entry["dtype"], remat=entry["remat"], attention="splash")
     cfg.scan_layers = entry["scan_layers"]
-    return 16 * entry["params"] + train_step_bytes(cfg, entry["micro_batch"], entry["seq_len"])
+    state = training_state_bytes(entry["params"], "float32")  # every entry trains float32 masters
+    return state + train_step_bytes(cfg, entry["micro_batch"], entry["seq_len"])
 
 
 def tables(files: list[Path]) -> str:

@@ -110,6 +110,9 @@ def cases(hf: Path, gguf: Path, model: Path) -> list[tuple[str, Callable[[Path],
 
         return setup
 
+    def generate_case(*flags: str) -> Callable[[Path], list[str]]:
+        return model_case(lambda m: None, ["generate", "model", "--prompt", "hi", *flags])
+
     def params_case(text: str) -> Callable[[Path], list[str]]:
         def setup(work: Path) -> list[str]:
             (work / "inputs").mkdir()  # data.inputs, as the repository ships it
@@ -378,37 +381,18 @@ def cases(hf: Path, gguf: Path, model: Path) -> list[tuple[str, Callable[[Path],
             "refuse",
         ),
         # generate
-        (
-            "generate: --max-new-tokens -1",
-            model_case(lambda m: None, ["generate", "model", "--prompt", "hi", "--max-new-tokens", "-1"]),
-            "refuse",
-        ),
-        (
-            "generate: --temperature nan",
-            model_case(lambda m: None, ["generate", "model", "--prompt", "hi", "--temperature", "nan"]),
-            "refuse",
-        ),
-        (
-            "generate: --top-p 2",
-            model_case(lambda m: None, ["generate", "model", "--prompt", "hi", "--top-p", "2"]),
-            "refuse",
-        ),
-        (
-            "generate: --top-k -3",
-            model_case(lambda m: None, ["generate", "model", "--prompt", "hi", "--top-k", "-3"]),
-            "refuse",
-        ),
-        (
-            "generate: --max-new-tokens 10^9",
-            model_case(lambda m: None, ["generate", "model", "--prompt", "hi", "--max-new-tokens", "1000000000"]),
-            "refuse",
+        *(
+            (f"generate: {' '.join(flags)}", generate_case(*flags), "refuse")
+            for flags in (
+                ("--max-new-tokens", "-1"),
+                ("--temperature", "nan"),
+                ("--top-p", "2"),
+                ("--top-k", "-3"),
+                ("--max-new-tokens", "1000000000"),
+            )
         ),
         ("generate: model folder missing", lambda w: ["generate", "nomodel", "--prompt", "hi"], "refuse"),
-        (
-            "generate: a good prompt",
-            model_case(lambda m: None, ["generate", "model", "--prompt", "hi", "--max-new-tokens", "4"]),
-            "accept",
-        ),
+        ("generate: a good prompt", generate_case("--max-new-tokens", "4"), "accept"),
         # stagelm check on params.yaml
         ("params: not a mapping", params_case("- 1\n- 2\n"), "refuse"),
         ("params: not YAML", params_case("training: {lr: [\n"), "refuse"),

@@ -15,6 +15,8 @@ import math
 import subprocess
 import sys
 
+from stagelm.measure.report import best_view
+
 
 def runs(names: list[str], rev: str | None = None) -> dict[str, dict]:
     """{name: {eval file: metrics}} of the workspace (as `workspace`) and the named experiments (of the
@@ -39,7 +41,8 @@ def se_diff(a: dict, b: dict) -> str:
 
 
 def best(e: dict) -> dict:
-    return e["chat_temperatures"][str(float(e["chat_best_temperature"]))]
+    """The eval's metrics at its best temperature (the report's reading of them)."""
+    return best_view(e)[1]
 
 
 def main() -> None:

@@ -115,3 +115,10 @@ def test_a_profile_groups_ops_by_kind_and_counts_a_loop_once():
     assert profile["device_seconds"] == pytest.approx(1.0)
     assert profile["shares"] == {"fusion": 0.5, "splash_mha_fwd_segmented_residuals": 0.4, "copy": 0.1}
     assert list(profile["shares"]) == ["fusion", "splash_mha_fwd_segmented_residuals", "copy"]
+    # the largest op of each kind, ranked as its kind, with its HLO text (shapes and layouts); no `while`
+    assert [(text.split(" = ")[0], share) for text, share in profile["top_ops"]] == [
+        ("%fusion.12", 0.3),
+        ("%splash_mha_fwd_segmented_residuals.3", 0.4),
+        ("%copy.1", 0.1),
+    ]
+    assert profile["top_ops"][0][0].startswith("%fusion.12 = f32[2,2048]{1,0}")

@@ -131,16 +131,14 @@ def op_breakdown(seconds: dict[str, float]) -> dict[str, Any]:
     (listed too), so it is left out of the total. `top_ops`: the largest single op of each of the ten
     largest kinds, with the start of its HLO text (its shapes and layouts) and its share."""
     kinds: dict[str, float] = {}
+    largest: dict[str, tuple[float, str]] = {}
     for text, s in seconds.items():
         kind = re.sub(r"\.\d+$", "", text.split(" = ")[0].lstrip("%"))
         if not kind.startswith("while"):
             kinds[kind] = kinds.get(kind, 0.0) + s
+            largest[kind] = max(largest.get(kind, (0.0, "")), (s, text))
     total = sum(kinds.values())
     ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
-    largest: dict[str, tuple[float, str]] = {}
-    for text, s in seconds.items():
-        kind = re.sub(r"\.\d+$", "", text.split(" = ")[0].lstrip("%"))
-        largest[kind] = max(largest.get(kind, (0.0, "")), (s, text))
     return {
         "device_seconds": total,
         "shares": {k: round(v / total, 4) for k, v in ranked if v / total >= 0.001},
