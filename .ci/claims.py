@@ -17,6 +17,7 @@ from data_lock import locks  # .ci/, this script's folder
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from stagelm.measure.report import best_view
 from stagelm.tasks import check_answer
 
 FAILED: list[str] = []
@@ -68,10 +69,9 @@ def pretrain_claims(params: dict) -> None:
         f"pretrain: val loss {m['val_loss']:.3f} nats is under half the unigram entropy {unigram:.3f} nats",
     )
     worked = load("runs/eval/pretrain/metrics.json")["completion"]["arithmetic"]["accuracy"]
-    # Held on seeds 0, 1 and 2 with the copying families in the corpus (0.995, 0.944, 0.892); on arithmetic
-    # alone (data.families, issue 36) seeds 0 and 1 hold it (0.827, 0.898) and seed 2 does not (0.764):
-    # docs/default-run.md. A target until it holds on three seeds again.
-    target(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
+    # On arithmetic alone (issue 36) 400 steps left seed 2 at 0.764; 600 give 0.995, 1.000 and 0.980 on seeds
+    # 0, 1 and 2 (issue 56, docs/default-run.md), so it is gated again
+    claim(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
 
 
 def model_stages() -> list[str]:
@@ -119,7 +119,7 @@ def sft_claims() -> None:
     best, _ = pooled(pre[pre["accuracy_format"]], taught)
     print(f"info  sft: pretrain's best format ({pre['accuracy_format']}) on {taught}: {best:.3f}")
     arithmetic = sft["chat"]["arithmetic"]["accuracy"]
-    target(arithmetic >= 0.90, f"sft: chat arithmetic {arithmetic:.3f} (>= 0.90)")
+    claim(arithmetic >= 0.90, f"sft: chat arithmetic {arithmetic:.3f} (>= 0.90)")  # 600 steps: 0.976, 0.986, 0.936
     cost = sft["val_loss"] - pre["val_loss"]
     claim(  # held on seeds 0, 1 and 2 (-0.009, -0.004, -0.014 on arithmetic alone)
         cost <= 0.25,
@@ -142,16 +142,16 @@ def distill_claims(params: dict) -> None:
         "distill_control: the same student and seed as distill, the teacher's terms off",
     )
     ev, ctl = load("runs/eval/distill/metrics.json"), load("runs/eval/distill_control/metrics.json")
-    target(
+    claim(  # held on seeds 0, 1 and 2 from 600 pretraining steps on, as did the two bars below (docs/default-run.md)
         ev["val_loss"] < ctl["val_loss"],
         f"distill: the student's corpus val loss {ev['val_loss']:.4f} against its control's "
         f"{ctl['val_loss']:.4f} (lower)",
     )
-    for kind, bar in (("chat_sampled", 3), ("chat", -1)):
+    for kind, bar, gated in (("chat_sampled", 3, True), ("chat", -1, True), ("chat", 3, False)):
         a, b = ev[kind]["arithmetic"], ctl[kind]["arithmetic"]
         se = math.hypot(a["accuracy_se"], b["accuracy_se"])
         diff = (a["accuracy"] - b["accuracy"]) / se if se else 0.0
-        target(
+        (claim if gated else target)(
             diff >= bar,
             f"distill: {kind} arithmetic {a['accuracy']:.3f} against its control's {b['accuracy']:.3f}, "
             f"{diff:+.1f} SE (>= {bar:+d})",
@@ -159,18 +159,18 @@ def distill_claims(params: dict) -> None:
 
 
 def grpo_claims(params: dict) -> None:
-    """GRPO against SFT: rewarded families gain, every other family holds, the language model holds (issue 36),
-    and the issue-46 targets, gated since they held on seeds 0, 1 and 2 (docs/grpo.md)."""
+    """GRPO against SFT: the rewarded families do not lose, greedy or at their best temperatures, every other
+    family holds and the language model holds, as on seeds 0, 1 and 2; issue 56's gains are printed."""
     m = load("runs/grpo/metrics.json")
     claim(m["step"] == params["grpo"]["steps"], f"grpo: ran grpo.steps={m['step']} optimizer steps")
     rows = Path("runs/grpo/plots/metrics/rollout/reward.tsv").read_text().strip().splitlines()[1:]
     rollouts = params["grpo"]["steps"] // params["grpo"]["updates_per_rollout"]
     claim(len(rows) == rollouts, f"grpo: {len(rows)} rollouts' rewards logged (steps / updates_per_rollout)")
     first, last = m["accuracy_first10"], m["accuracy_last10"]
-    claim(
-        len(rows) >= 20 and last >= first + 0.05,
+    claim(  # issue 56's unsure weights train on the prompts still missed, so the rise that sharpening gave
+        len(rows) >= 20 and last >= first,  # (+0.05 and more) is gone: +0.025, +0.008, +0.054 on seeds 0, 1, 2
         f"grpo: binary rollout accuracy over {len(rows)} rollouts (>= 20), first ten {first:.3f}, last ten {last:.3f} "
-        "(>= +0.05)",
+        "(does not fall)",
     )
     entropy = Path("runs/grpo/plots/metrics/rollout/entropy.tsv").read_text().strip().splitlines()[1:]
     claim(
@@ -188,18 +188,25 @@ def grpo_claims(params: dict) -> None:
             claim(greedy[0] >= -1, f"grpo: holds sft's unrewarded {family}, greedy {greedy[1]} (>= -1)")
             continue
         constant_answer_claim(family)
+        (t0, sft_best), (t1, grpo_best) = best_view(sft), best_view(grpo)
+        best = change(sft_best[family], grpo_best[family])
+        greedy = change(sft["chat"][family], grpo["chat"][family])
+        at_best = f"at each one's best temperature (sft T={t0:g}, grpo T={t1:g}) {best[1]}"
+        # Held on seeds 0, 1 and 2: no loss greedy or at the best temperature. Issue 56's +2 and +3 SE hold on
+        # seed 0 only (docs/grpo.md#moving-the-mode-issue-56), so they are printed
+        claim(greedy[0] >= -1, f"grpo: rewarded {family} greedy {greedy[1]} (>= -1)")
+        claim(best[0] >= -1, f"grpo: rewarded {family} {at_best} (>= -1)")
+        target(greedy[0] >= 2, f"grpo: rewarded {family} greedy {greedy[1]} (>= +2)")
+        target(best[0] >= 3, f"grpo: rewarded {family} {at_best} (>= +3)")
         sampled = change(sft["chat_sampled"][family], grpo["chat_sampled"][family])
-        claim(sampled[0] >= 5, f"grpo: rewarded {family} sampled {sampled[1]} (>= +5)")
-        headroom = sft["chat"][family]["accuracy"] < 0.7  # the family SFT leaves room on
-        bar = 3 if headroom else -1
-        claim(greedy[0] >= bar, f"grpo: rewarded {family} greedy {greedy[1]} (>= {bar:+d})")
+        print(f"info  grpo: rewarded {family} sampled at T=1 {sampled[1]} (sharpening: a temperature gives it free)")
         passes = sft.get("chat_pass_k", {}).get(family), grpo.get("chat_pass_k", {}).get(family)
         if all(passes):
             k, n = grpo["chat_pass_k"]["k"], passes[1]["n"]
             before, after = (p[f"pass_at_{k}"] for p in passes)
             claim(
-                n >= 100 and after >= before - 0.03,
-                f"grpo: rewarded {family} pass@{k} on {n} prompts (>= 100) {before:.3f} → {after:.3f} (>= -0.03)",
+                n >= 100 and after >= before - 0.02,
+                f"grpo: rewarded {family} pass@{k} on {n} prompts (>= 100) {before:.3f} → {after:.3f} (>= -0.02)",
             )
 
 

@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo8 | distill1 | distill2 | distill3 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo9 | distill1 | distill2 | distill3 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -76,6 +76,34 @@ case "${1:?which sweep: grpo1 … grpo8 | distill1 | distill2 | distill3 | seeds
     ;;
   grpo8)  # seeds 0, 1, 2 at half the rate: 1e-2 cost pass@8 0.04 on seed 1 (the target allows 0.03)
     $Q grpo.lr=5e-3 --seeds 0 1 2 --prefix r8
+    ;;
+  grpo9)  # seed 0 on the 600-step base (issue 56, item 2: RL that moves the mode). The rollout is mostly
+    # groups all right (SFT sampled 0.906 at T 1, greedy 0.976), whose samples swamp the few prompts the
+    # greedy answer gets wrong: prompt_weight=unsure weighs each prompt by its share of wrong samples, and
+    # dynamic sampling (max_draws 4) replaces the groups that then weigh nothing. Each at 80 updates unless
+    # said; the samples drawn are in the table. What trains: the norms (issue 46's default), every weight,
+    # adapters on the MLPs; and today's flat weights on every weight at the dynamic runs' samples and at 20,480.
+    # Every point names its keys, so the script queues the same runs from any later params.yaml.
+    E="dvc exp run --queue -S seed=0 -S training.steps=600 -S grpo.objective=rft -S grpo.prompt_weight=unsure"
+    D="-S grpo.dynamic_sampling=true -S grpo.max_draws=4"
+    N="-S grpo.method=norms -S grpo.lr=5e-3 -S grpo.dynamic_sampling=false"
+    F="-S grpo.method=full -S grpo.lr=3e-5"
+    $E $N --name u1norms-b-s0
+    $E $N $D --name u2norms-dyn-s0
+    $E $D $F --name u3full-dyn-s0
+    $E $D -S grpo.method=lora -S grpo.lora.targets=[gate_up,down] -S grpo.lr=3e-3 --name u4mlp-dyn-s0
+    $E $F -S grpo.dynamic_sampling=false --name u5full-s0
+    S="-S grpo.steps=224 -S grpo.eval_every=224 -S grpo.checkpoint_every=224"
+    Flat="dvc exp run --queue -S seed=0 -S training.steps=600 -S grpo.objective=rft -S grpo.prompt_weight=flat"
+    $Flat $F -S grpo.dynamic_sampling=false $S --name u6full-flat-s0
+    # the 600-step pipeline on seeds 1 and 2 with issue 46's GRPO (the bases seeds 1 and 2 start from), then
+    # u5 (the best at 20,480 samples on seed 0), u3 (more samples, chosen where unsure) and u2 on them
+    for seed in 1 2; do
+      dvc exp run --queue -S seed=$seed -S training.steps=600 $N -S grpo.prompt_weight=flat --name d600-s$seed
+    done
+    for seed in 1 2; do $E $F -S grpo.dynamic_sampling=false -S seed=$seed --name u5full-s$seed; done
+    for seed in 1 2; do $E $D $F -S seed=$seed --name u3full-dyn-s$seed; done
+    for seed in 1 2; do $E $N $D -S seed=$seed --name u2norms-dyn-s$seed; done
     ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1

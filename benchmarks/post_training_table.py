@@ -55,15 +55,23 @@ def main() -> None:
         for n in names
         if n in found
     }
-    print("| run | SFT greedy | SFT at T 0.3 / 0.6 / 1.0 (best) | GRPO greedy (vs SFT) | GRPO best T (vs SFT's best) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| run | SFT greedy | SFT at T 0.3 / 0.6 / 1.0 (best) | GRPO greedy (vs SFT) | GRPO best T (vs SFT's best) | "
+        "GRPO at T 1 (vs SFT) | pass@8 SFT → GRPO | val loss change | samples |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, e in ev.items():
         s, g = e["sft"], e["grpo"]
         temps = " / ".join(f"{v['accuracy']:.3f}" for v in s["chat_temperatures"].values())
+        passes = (x["chat_pass_k"]["arithmetic"]["pass_at_8"] for x in (s, g))
+        samples = found[n].get("runs/grpo/metrics.json", {}).get("samples", float("nan"))
         print(
             f"| {n} | {s['chat']['accuracy']:.3f} | {temps} ({s['chat_best_temperature']:g}) | "
             f"{g['chat']['accuracy']:.3f} ({se_diff(s['chat'], g['chat'])}) | "
-            f"{best(g)['accuracy']:.3f} at {g['chat_best_temperature']:g} ({se_diff(best(s), best(g))}) |"
+            f"{best(g)['accuracy']:.3f} at {g['chat_best_temperature']:g} ({se_diff(best(s), best(g))}) | "
+            f"{g['chat_sampled']['accuracy']:.3f} ({se_diff(s['chat_sampled'], g['chat_sampled'])}) | "
+            "{:.2f} → {:.2f} | ".format(*passes)
+            + f"{g['val_loss'] - s['val_loss']:+.4f} | {samples:,.0f} |"
         )
     print()
     print(

@@ -59,7 +59,7 @@ def main() -> None:
         f"fingerprint {run.fingerprint}",
         flush=True,
     )
-    loss_fn = grpo_loss(cfg.clip_eps, cfg.kl_coef, cfg.anchor_coef, cfg.clip_eps_high, cfg.objective)
+    loss_fn = grpo_loss(cfg.clip_eps, cfg.kl_coef, cfg.anchor_coef, cfg.clip_eps_high, cfg.objective, cfg.entropy_coef)
     result = train(
         model, cfg, None, val_rows, run, loss_fn=loss_fn, eval_loss_fn=lm_loss, batches=rollouts, trainable=trainable
     )

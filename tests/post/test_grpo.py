@@ -58,9 +58,9 @@ def group(correct: list[bool], rewards: list[float] | None = None) -> Group:
     return Group(0, np.zeros((n, 3), np.int32), rewards, correct, [True] * n, [3] * n, [0.6] * n)
 
 
-# The policy gradient on every weight (the shipped default is rft on the norms): the tests of
+# The policy gradient on every weight with flat prompt weights (not the shipped default's): the tests of
 # its update by hand, and those whose micro policy earns only the format reward, which rft ignores
-GRPO_OBJECTIVE = {"objective": "grpo", "method": "full"}
+GRPO_OBJECTIVE = {"objective": "grpo", "method": "full", "prompt_weight": "flat"}
 
 
 def grpo_section(**change):
@@ -80,6 +80,20 @@ def test_sample_weights_of_each_objective_by_hand():
     np.testing.assert_array_equal(every, [[1, 0, 0, 0], [1, 1, 0, 1], [0, 0, 0, 0]])
     one = sample_weights(groups, grpo_section(objective="rft", rft_keep="one"))
     np.testing.assert_array_equal(one, [[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the first right one
+
+
+def test_unsure_prompt_weights_by_hand():
+    groups = [group([True, False, False, False]), group([True, True, False, True]), group([True] * 4)]
+    # rft: correct samples times each group's wrong share (3/4, 1/4, 0), rescaled so the nonzero weights average 1
+    unsure = sample_weights(groups, grpo_section(objective="rft", prompt_weight="unsure"))
+    scale = 4 / (0.75 + 3 * 0.25)
+    np.testing.assert_allclose(unsure, [[0.75 * scale, 0, 0, 0], [0.25 * scale] * 2 + [0, 0.25 * scale], [0] * 4])
+    assert [g.teaches(grpo_section(objective="rft", prompt_weight="unsure")) for g in groups] == [True, True, False]
+    assert groups[2].teaches(grpo_section(objective="rft", prompt_weight="flat"))  # flat rft trains on an all-right one
+    adv = sample_weights(groups, grpo_section())  # grpo: the advantages times the same shares, the same rescaling
+    tilted = adv * np.array([[0.75], [0.25], [0]])
+    tilted *= np.abs(adv[adv != 0]).mean() / np.abs(tilted[tilted != 0]).mean()
+    np.testing.assert_allclose(sample_weights(groups, grpo_section(prompt_weight="unsure")), tilted, rtol=1e-6)
 
 
 def test_rollout_metrics_split_the_groups_and_weigh_entropy_by_token():
@@ -259,6 +273,21 @@ def test_clipping_and_kl_by_hand():
     np.testing.assert_allclose(float(aux["clip_fraction"]), 5, rtol=1e-6)
 
 
+def test_entropy_term_by_hand():
+    """entropy_coef · the next-token distribution's entropy, summed over the completion tokens, leaves the loss."""
+    model = Decoder(CFG, nnx.Rngs(0))
+    batch, _ = rollout_batch(model)
+    batch["on_policy"] = jnp.ones_like(batch["advantages"])
+    inputs, _, _ = next_token_targets(batch)
+    q = jax.nn.softmax(model(inputs["tokens"], inputs["segment_ids"], inputs["positions"]))
+    by_hand = -jnp.sum(q * jnp.log(q), axis=-1)  # (rows, positions)
+    plain, weight, _ = grpo_loss(0.2, 0.0)(model, batch, None)
+    loss, same, _ = grpo_loss(0.2, 0.0, entropy_coef=0.3)(model, batch, None)
+    summed = float(jnp.sum(by_hand * batch["completion_mask"][:, 1:]))
+    assert float(same) == float(weight) and summed > 0
+    np.testing.assert_allclose(float(loss), float(plain) - 0.3 * summed, rtol=1e-5)
+
+
 def test_anchor_term_by_hand():
     """anchor_coef · mean k3 over the anchor rows' answer tokens, scaled to the rollout's token count."""
     model = Decoder(CFG, nnx.Rngs(0))
@@ -362,7 +391,7 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["norms", "lora"])  # norms: the shipped default (rft on the gains)
+@pytest.mark.parametrize("method", ["full", "lora"])
 def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, method):
     change = {"steps": 12, "eval_every": 12, "checkpoint_every": 2, "updates_per_rollout": 2, "kl_coef": 0.05}
     change |= {"dynamic_sampling": False}  # the plain rollout (one batch of prompts each)
@@ -370,8 +399,8 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
         # and dynamic sampling: the prompts a rollout drew beyond its own batch move the stream on
         change |= {"method": "lora", "lr": 1e-3, "dynamic_sampling": True, "max_draws": 2, "anchor_coef": 1.0}
         change |= {"objective": "grpo"}  # the micro policy answers no sum right: rft would train on nothing
-    else:  # the default's gains, on a reward the micro policy earns (rft would train on nothing: it answers no sum)
-        change |= {"objective": "grpo", "families": ["uses_word"], "format_weight": 1.0}
+    else:  # every weight, on a reward the micro policy earns (rft would train on nothing: it answers no sum)
+        change |= {"objective": "grpo", "method": "full", "families": ["uses_word"], "format_weight": 1.0}
     command = lambda work: grpo_command(micro_data, policy, work)  # noqa: E731
     killed, whole, _ = killed_and_whole(tmp_path, micro_params(grpo=change), command)
     assert_same_outputs(killed, whole, "model")
@@ -382,15 +411,10 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
     provenance = read_json(whole / "out/provenance.json")
     assert provenance["stage"] == "grpo"
     before = load_model(policy)
-    if method == "lora":  # the saved model is merged: an ordinary decoder, moved off the SFT weights
-        assert a.cfg.lora_rank == 0 and provenance["trainable_params"] < count_params(a)
-        pairs = zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(before)), strict=True)
-        assert any(not np.array_equal(x, y) for x, y in pairs)
-    else:  # the gains moved and nothing else did
-        assert provenance["trainable_params"] == (2 * a.cfg.n_layers + 1) * a.cfg.d_model
-        for which, same in ((NORMS, False), (nnx.Not(NORMS), True)):
-            pairs = zip(jax.tree.leaves(nnx.state(a, which)), jax.tree.leaves(nnx.state(before, which)), strict=True)
-            assert all(np.array_equal(x, y) == same for x, y in pairs), which
+    # lora: the saved model is merged, an ordinary decoder moved off the SFT weights; full: every weight trains
+    assert a.cfg.lora_rank == 0 and (provenance["trainable_params"] < count_params(a)) == (method == "lora")
+    pairs = zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(before)), strict=True)
+    assert any(not np.array_equal(x, y) for x, y in pairs)
 
 
 @pytest.mark.slow

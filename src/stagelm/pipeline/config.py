@@ -433,6 +433,12 @@ class GrpoConfig(OptimizerConfig):
     rft_keep: str = param(
         "rft objective: train on every correct sample of a prompt, or on one (the first drawn)", one_of("all", "one")
     )
+    prompt_weight: str = param(
+        "flat: every prompt's samples weigh as the objective says; unsure: times the share of the prompt's "
+        "samples that are wrong (prompts always answered right weigh nothing; with dynamic_sampling they "
+        "make way for more prompts), rescaled to keep the weights' mean size",
+        one_of("flat", "unsure"),
+    )
     reward: str = param(
         "outcome: 1 for a right answer; steps: partial credit for each right step of a wrong answer "
         "(families with checkable steps)",
@@ -459,6 +465,11 @@ class GrpoConfig(OptimizerConfig):
     kl_coef: float = param(
         "weight of the k3 KL to the reference on the rollouts' tokens; 0 = off",
         (lambda v: 0 <= v <= 1000, "a {type} in [0, 1000] (beyond, the KL term overflows the loss)"),
+    )
+    entropy_coef: float = param(
+        "weight of the policy's entropy on the completion tokens, subtracted from the loss: > 0 keeps it "
+        "exploring, < 0 sharpens it; 0 = off",
+        (lambda v: -10 <= v <= 10, "a {type} in [-10, 10]"),
     )
     anchor_coef: float = param(
         "weight of the k3 KL to the reference on SFT answers of the unrewarded families; 0 = off", NON_NEGATIVE

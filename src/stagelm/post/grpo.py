@@ -52,6 +52,7 @@ def grpo_loss(
     anchor_coef: float = 0.0,
     clip_eps_high: float | None = None,
     objective: str = "grpo",
+    entropy_coef: float = 0.0,
 ) -> LossFn:
     """The clipped-ratio loss with a KL penalty, over completion tokens; aux: kl, clip fraction, ratio.
 
@@ -64,11 +65,15 @@ def grpo_loss(
     the reference's log-probs of their answer tokens) and the loss adds `anchor_coef`
     times their mean k3 penalty, which holds the policy's answers to the prompts the
     reward does not target where the reference had them.
+
+    `entropy_coef` subtracts that weight times the policy's entropy (of its whole next-token
+    distribution) at each completion token: > 0 pays for exploring, < 0 for sharpening.
     """
 
     def loss(model: nnx.Module, batch: dict[str, jax.Array], rng: jax.Array | None) -> tuple:
         inputs, targets, _ = next_token_targets(batch)
-        logp = token_logprobs(model(inputs["tokens"], inputs["segment_ids"], inputs["positions"], rng), targets)
+        logits = model(inputs["tokens"], inputs["segment_ids"], inputs["positions"], rng)
+        logp = token_logprobs(logits, targets)
         mask = batch["completion_mask"][:, 1:].astype(jnp.float32)
         adv = batch["advantages"][:, 1:]
         fresh = batch["on_policy"][:, 1:] > 0
@@ -79,6 +84,8 @@ def grpo_loss(
         policy = -logp * adv if objective == "rft" else -jnp.minimum(ratio * adv, clipped * adv)
         kl = k3(batch["ref_logp"][:, 1:], logp)
         per_token = policy + kl_coef * kl
+        if entropy_coef:
+            per_token -= entropy_coef * entropy(logits)
         was_clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).astype(jnp.float32)
         count = jnp.sum(mask)
         aux = {"kl": jnp.sum(kl * mask), "clip_fraction": jnp.sum(was_clipped * mask), "ratio": jnp.sum(ratio * mask)}
@@ -94,6 +101,12 @@ def grpo_loss(
         return total, count, aux
 
     return loss
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+    """The entropy of each position's next-token distribution, in nats: (..., vocab) → (...)."""
+    logq = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.sum(jnp.exp(logq) * logq, axis=-1)
 
 
 def k3(ref_logp: jax.Array, logp: jax.Array) -> jax.Array:

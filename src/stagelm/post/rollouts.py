@@ -104,10 +104,10 @@ class Group:
     lengths: list[int]  # tokens that train (graded_length)
     entropy: list[float]  # the sampling distribution's entropy summed over those tokens
 
-    def teaches(self, objective: str) -> bool:
-        """Whether the group carries signal for `objective`: grpo, rewards that differ (else every
-        advantage is 0); rft, a correct sample to train on."""
-        return bool(np.ptp(self.rewards) > 0) if objective == "grpo" else any(self.correct)
+    def teaches(self, cfg: GrpoConfig) -> bool:
+        """Whether any of the group's samples weighs in the loss (`sample_weights`): for grpo, rewards
+        that differ; for rft, a correct sample; with `prompt_weight: unsure`, also a wrong one."""
+        return bool(np.any(sample_weights([self], cfg)))
 
 
 class Rollouts:
@@ -248,7 +248,7 @@ class Rollouts:
             groups = self.sample_groups(policy, chosen, key if draw == 0 else jax.random.fold_in(key, draw))
             drawn += groups
             for group in groups:
-                (kept if not cfg.dynamic_sampling or group.teaches(cfg.objective) else alike).append(group)
+                (kept if not cfg.dynamic_sampling or group.teaches(cfg) else alike).append(group)
             if len(kept) >= per:
                 break
         groups = (kept + alike)[:per]
@@ -324,15 +324,28 @@ def sample_weights(groups: list["Group"], cfg: GrpoConfig) -> np.ndarray:
     grpo: the group advantages (`group_advantages`), the positive ones times
     `positive_weight` and the negative ones times `negative_weight`. rft: 1 for each
     correct sample that trains (every one, or the first of each group with `rft_keep: one`),
-    0 for the rest."""
+    0 for the rest. With `prompt_weight: unsure` each group's weights are then multiplied by
+    the share of its samples that are wrong, so the prompts the policy always answers right
+    weigh nothing and the ones it mostly misses weigh most, and rescaled so the nonzero
+    weights keep their mean size."""
+    correct = np.asarray([g.correct for g in groups], np.float32)
     if cfg.objective == "rft":
-        correct = np.asarray([g.correct for g in groups], np.float32)
+        weights = correct
         if cfg.rft_keep == "one":
             first = np.argmax(correct, axis=1)
-            correct = correct * (np.arange(correct.shape[1])[None] == first[:, None])
-        return correct
-    adv = group_advantages(np.asarray([g.rewards for g in groups], np.float32), cfg.advantages)
-    return np.where(adv > 0, cfg.positive_weight * adv, cfg.negative_weight * adv)
+            weights = correct * (np.arange(correct.shape[1])[None] == first[:, None])
+    else:
+        adv = group_advantages(np.asarray([g.rewards for g in groups], np.float32), cfg.advantages)
+        weights = np.where(adv > 0, cfg.positive_weight * adv, cfg.negative_weight * adv)
+    if cfg.prompt_weight == "flat":
+        return weights
+    unsure = weights * (1 - correct.mean(axis=1, keepdims=True))
+    return unsure * (mean_size(weights) / mean_size(unsure) if unsure.any() else 0.0)
+
+
+def mean_size(weights: np.ndarray) -> float:
+    """The mean magnitude of the nonzero entries of `weights`."""
+    return float(np.abs(weights[weights != 0]).mean())
 
 
 def require_rollout_memory(rollouts: Rollouts, model_cfg: Any, cfg: GrpoConfig) -> None:
