@@ -190,7 +190,6 @@ def grpo_claims(params: dict) -> None:
         constant_answer_claim(family)
         (t0, sft_best), (t1, grpo_best) = best_view(sft), best_view(grpo)
         best = change(sft_best[family], grpo_best[family])
-        greedy = change(sft["chat"][family], grpo["chat"][family])
         at_best = f"at each one's best temperature (sft T={t0:g}, grpo T={t1:g}) {best[1]}"
         # Held on seeds 0, 1 and 2: no loss greedy or at the best temperature. Issue 56's +2 and +3 SE hold on
         # seed 0 only (docs/grpo.md#moving-the-mode-issue-56), so they are printed
