@@ -82,13 +82,18 @@ def model_stages() -> list[str]:
 def eval_claims(params: dict) -> None:
     models = model_stages()
     report = Path("runs/report.md").read_text()
-    n_prompts = len(params["sample"]["prompts"])
+    asked = {"completion": params["sample"]["prompts"], "chat": params["sample"]["chat_prompts"]}
     for name in models:
         m = load(f"runs/eval/{name}/metrics.json")
         n = m["chat"]["n"]
         claim(n >= 500, f"eval@{name}: accuracy measured on {n} held-out prompts per format (>= 500)")
-        samples = Path(f"runs/samples/{name}.jsonl").read_text().splitlines()
-        claim(len(samples) == n_prompts, f"sample@{name}: {len(samples)} samples, one per sample.prompts entry")
+        samples = [json.loads(line) for line in Path(f"runs/samples/{name}.jsonl").read_text().splitlines()]
+        form = samples[0]["format"] if samples else "completion"
+        key = "sample.prompts" if form == "completion" else "sample.chat_prompts"
+        claim(
+            [s["prompt"] for s in samples] == asked[form],
+            f"sample@{name}: {len(samples)} samples ({form}), one per {key} entry",
+        )
         claim(f"| {name} |" in report, f"report: names {name}")
         opening = report.split("## Models")[0]
         claim(f"\n- **{name}** " in opening, f"report: the stage-by-stage section says what {name} added")

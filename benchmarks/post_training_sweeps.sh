@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo9 | distill1 | distill2 | distill3 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo10 | distill1 … distill4 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -105,6 +105,14 @@ case "${1:?which sweep: grpo1 … grpo9 | distill1 | distill2 | distill3 | seeds
     for seed in 1 2; do $E $D $F -S seed=$seed --name u3full-dyn-s$seed; done
     for seed in 1 2; do $E $N $D -S seed=$seed --name u2norms-dyn-s$seed; done
     ;;
+  grpo10)  # seeds 0, 1, 2 on today's default (u3 of grpo9): seeds 1 and 2 fell short of +2 SE greedy. Rollouts
+    # sampled at T 0.6 (the prompts still wrong there are where the greedy answer is unsure), twice the rate, and
+    # half as many updates again at T 0.6 on seed 1
+    E="dvc exp run --queue"
+    for seed in 1 2 0; do $E -S seed=$seed -S grpo.temperature=0.6 --name g1t06-s$seed; done
+    for seed in 1 2; do $E -S seed=$seed -S grpo.lr=6e-5 --name g2lr6-s$seed; done
+    $E -S seed=1 -S grpo.temperature=0.6 -S grpo.steps=120 -S grpo.eval_every=120 --name g3t06steps120-s1
+    ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1
     dvc exp run --queue -S seed=2 --name defaults-s2
@@ -122,6 +130,18 @@ case "${1:?which sweep: grpo1 … grpo9 | distill1 | distill2 | distill3 | seeds
     # SFT prompts, from the pruned teacher (today's start) and from random weights; each beside its own control
     $Q distill.sequence=0.5 --seeds 0 1 2 --prefix d3seq
     $Q distill.sequence=0.5 distill.init=scratch --seeds 0 1 2 --prefix d3seqscratch
+    ;;
+  distill4)  # seed 0 on the 600-step base (issue 56: the student's greedy answer +1.0 SE over its control on seed 0,
+    # +4.6 and +5.6 on seeds 1 and 2): the soft term's weight and temperature, a quarter of the steps on the
+    # teacher's greedy answers or on the student's own, and twice the steps (the control's too); alpha 1 on seeds 1, 2
+    E="dvc exp run --queue -S seed=0"
+    $E -S distill.alpha=1.0 --name k1alpha1-s0
+    $E -S distill.sequence=0.25 --name k2seq25-s0
+    $E -S distill.alpha=0.75 --name k3alpha075-s0
+    $E -S distill.alpha=1.0 -S distill.temperature=4.0 --name k4alpha1t4-s0
+    $E -S distill.on_policy=0.25 --name k5onpol25-s0
+    $E -S distill.steps=300 -S distill.eval_every=150 -S distill.checkpoint_every=150 --name k6steps300-s0
+    for seed in 1 2; do dvc exp run --queue -S seed=$seed -S distill.alpha=1.0 --name k1alpha1-s$seed; done
     ;;
   base1)  # seeds 0, 1, 2 (issue 56, item 4): pretraining's val loss still falls 0.03 to 0.04 nats over its
     # last 80 steps on every seed, and the arithmetic completion follows the final loss (0.898 / 0.827 / 0.764

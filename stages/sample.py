@@ -1,9 +1,11 @@
-"""sample stage: complete `sample.prompts` with one model, seeded, and time it.
+"""sample stage: complete `sample.prompts` (a base model) or answer `sample.chat_prompts` (a tuned
+one) with one model, seeded, and time it.
 
     python stages/sample.py --params params.yaml --model runs/pretrain/model --name pretrain --format completion \
         --out runs/samples/pretrain.jsonl
 
-`--format chat` wraps each prompt in the chat template (tuned models).
+`--format chat` wraps each of `sample.chat_prompts` in the chat template as a user turn (tuned models:
+their SFT data asks `What is 41 plus 17?`, not the corpus's `Work out 41 plus 17:`).
 """
 
 import json
@@ -30,7 +32,7 @@ def main() -> None:
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     chat = args.format == "chat"
     records = []
-    for i, prompt in enumerate(cfg.prompts):
+    for i, prompt in enumerate(cfg.chat_prompts if chat else cfg.prompts):
         ids = gen.chat.user_prompt(prompt) if chat else gen.chat.text(prompt)
         key = jax.random.fold_in(jax.random.key(seed), i)
         gen.generate([ids], cfg.max_new_tokens, sampling, key, chat=chat)  # warm-up: compile once per shape

@@ -80,7 +80,11 @@ MICRO = {
         "temperatures": [0.5, 1.0],
         "temperature_prompts": 10,
     },
-    "sample": {"max_new_tokens": 16, "prompts": ["Once upon a time,", "Work out 41 plus 17:"]},
+    "sample": {
+        "max_new_tokens": 16,
+        "prompts": ["Once upon a time,", "Work out 41 plus 17:"],
+        "chat_prompts": ["What is 41 plus 17?"],
+    },
     "sft": {
         "steps": 10,
         "batch_size": 8,

@@ -75,8 +75,10 @@ def test_full_repro_produced_every_artifact(project):
         assert generation["do_sample"] is True and generation["temperature"] == best
     predictions = (project / "runs/eval/pretrain/predictions.jsonl").read_text().splitlines()
     assert len(predictions) == 2 * held_out  # both formats
-    samples = [json.loads(line) for line in (project / "runs/samples/pretrain.jsonl").read_text().splitlines()]
-    assert [s["prompt"] for s in samples] == micro_params()["sample"]["prompts"]
+    sample = micro_params()["sample"]
+    for name, form, asked in (("pretrain", "completion", sample["prompts"]), ("sft", "chat", sample["chat_prompts"])):
+        samples = [json.loads(line) for line in (project / f"runs/samples/{name}.jsonl").read_text().splitlines()]
+        assert [(s["prompt"], s["format"]) for s in samples] == [(p, form) for p in asked]
     report = (project / "runs/report.md").read_text()
     assert "| pretrain |" in report and "![pretrain loss](report/pretrain_loss.png)" in report
     opening = report.split("## Models")[0]  # the stage-by-stage table and one sentence per stage

@@ -44,6 +44,7 @@ BAD = [  # (params.yaml edit, the words of the one-line error)
     ("  norm_eps: 1.0e-06 => norm_eps: .inf", "model.norm_eps: expected a finite float, got inf"),
     ("  rope_theta: 10000.0 => rope_theta: .inf", "model.rope_theta: expected a finite float, got inf"),
     ("  temperature: 0.8 => temperature: .inf", "sample.temperature: expected a finite float, got inf"),
+    ('  - What is 41 plus 17? => - ""', "sample.chat_prompts: expected a non-empty list of non-empty strings"),
     ("  lr: 0.003 => lr: .nan", "training.lr: expected a finite float, got nan"),
     ("seed: 0 => seed: 18446744073709551616", "seed: expected an int in [0, 2**32), got 18446744073709551616"),
     ("  seed: 0 => seed: -1", "data.seed: expected an int in [0, 2**32), got -1"),

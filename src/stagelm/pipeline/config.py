@@ -311,7 +311,8 @@ class EvalConfig:
 class SampleConfig:
     """The sample stage's prompts and sampling settings."""
 
-    prompts: list[str] = param("prompts the sample stage completes, one sample each")
+    prompts: list[str] = param("prompts a base model completes (format completion), one sample each")
+    chat_prompts: list[str] = param("user turns a tuned model answers (format chat), one sample each")
     max_new_tokens: int = param("tokens generated per prompt", POSITIVE)
     temperature: float = param("sampling temperature; 0 = greedy", NON_NEGATIVE)
     top_k: int = param("sample among the k likeliest tokens; 0 = off", NON_NEGATIVE)
@@ -321,8 +322,9 @@ class SampleConfig:
     )
 
     def validate(self, prefix: str) -> None:
-        if not self.prompts or any(not p for p in self.prompts):
-            raise StagelmError(f"{prefix}.prompts: expected a non-empty list of non-empty strings")
+        for key in ("prompts", "chat_prompts"):
+            if not getattr(self, key) or any(not p for p in getattr(self, key)):
+                raise StagelmError(f"{prefix}.{key}: expected a non-empty list of non-empty strings")
 
 
 # The decoder's projections (model.Projection), by name: LoRA targets them, the HF mapping
