@@ -107,11 +107,12 @@ case "${1:?which sweep: grpo1 … grpo10 | distill1 … distill4 | seeds | base1
     ;;
   grpo10)  # seeds 0, 1, 2 on today's default (u3 of grpo9): seeds 1 and 2 fell short of +2 SE greedy. Rollouts
     # sampled at T 0.6 (the prompts still wrong there are where the greedy answer is unsure), twice the rate, and
-    # half as many updates again at T 0.6 on seed 1
+    # half as many updates again, or groups of 16, at T 0.6 on seed 1
     E="dvc exp run --queue"
     for seed in 1 2 0; do $E -S seed=$seed -S grpo.temperature=0.6 --name g1t06-s$seed; done
     for seed in 1 2; do $E -S seed=$seed -S grpo.lr=6e-5 --name g2lr6-s$seed; done
     $E -S seed=1 -S grpo.temperature=0.6 -S grpo.steps=120 -S grpo.eval_every=120 --name g3t06steps120-s1
+    $E -S seed=1 -S grpo.temperature=0.6 -S grpo.group_size=16 -S grpo.prompts_per_step=16 --name g4t06g16-s1
     ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1

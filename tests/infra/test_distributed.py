@@ -180,4 +180,4 @@ def test_pack_in_two_processes_writes_the_one_process_bytes(micro_data, tmp_path
 def test_training_stages_start_through_launch():
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name in ("pack", "pretrain", "sft", "distill", "grpo"):
-        assert stages[name]["cmd"].startswith(f"stagelm launch python stages/{name}.py"), name
+        assert stages[name]["cmd"].startswith(f"PYTHONPATH=src stagelm launch python stages/{name}.py"), name
