@@ -74,25 +74,29 @@ def pretrain_claims(params: dict) -> None:
     claim(worked >= 0.80, f"pretrain: completion-format arithmetic {worked:.3f} (>= 0.80)")
 
 
+def pipeline() -> dict:
+    return yaml.safe_load(Path("dvc.yaml").read_text())
+
+
 def model_stages() -> list[str]:
-    pipeline = yaml.safe_load(Path("dvc.yaml").read_text())
-    return [m for entry in pipeline["vars"] for m in str(entry.get("models", "")).split(",") if m]
+    return [m for entry in pipeline()["vars"] for m in str(entry.get("models", "")).split(",") if m]
 
 
 def eval_claims(params: dict) -> None:
     models = model_stages()
     report = Path("runs/report.md").read_text()
     asked = {"completion": params["sample"]["prompts"], "chat": params["sample"]["chat_prompts"]}
+    formats = {name: item["format"] for name, item in pipeline()["stages"]["sample"]["foreach"].items()}
     for name in models:
         m = load(f"runs/eval/{name}/metrics.json")
         n = m["chat"]["n"]
         claim(n >= 500, f"eval@{name}: accuracy measured on {n} held-out prompts per format (>= 500)")
         samples = [json.loads(line) for line in Path(f"runs/samples/{name}.jsonl").read_text().splitlines()]
-        form = samples[0]["format"] if samples else "completion"
+        form = formats[name]  # as dvc.yaml runs it
         key = "sample.prompts" if form == "completion" else "sample.chat_prompts"
         claim(
-            [s["prompt"] for s in samples] == asked[form],
-            f"sample@{name}: {len(samples)} samples ({form}), one per {key} entry",
+            [(s["prompt"], s["format"]) for s in samples] == [(p, form) for p in asked[form]],
+            f"sample@{name}: {len(samples)} samples ({form}, as dvc.yaml asks), one per {key} entry",
         )
         claim(f"| {name} |" in report, f"report: names {name}")
         opening = report.split("## Models")[0]
