@@ -163,7 +163,7 @@ def distill_claims(params: dict) -> None:
         (claim if gated else target)(
             diff >= bar,
             f"distill: {kind} arithmetic {a['accuracy']:.3f} against its control's {b['accuracy']:.3f}, "
-            f"{diff:+.1f} SE (>= {bar:+d})",
+            f"{diff:+.3f} SE (>= {bar:+d})",  # three decimals: alpha 0.6 reads +2.997 on seed 0
         )
 
 
@@ -177,7 +177,7 @@ def grpo_claims(params: dict) -> None:
     claim(len(rows) == rollouts, f"grpo: {len(rows)} rollouts' rewards logged (steps / updates_per_rollout)")
     first, last = m["accuracy_first10"], m["accuracy_last10"]
     claim(  # issue 56's unsure weights train on the prompts still missed, so the rise that sharpening gave
-        len(rows) >= 20 and last >= first,  # (+0.05 and more) is gone: +0.025, +0.008, +0.054 on seeds 0, 1, 2
+        len(rows) >= 20 and last >= first,  # (+0.05 and more) is gone: +0.030, +0.014, +0.053 on seeds 0, 1, 2
         f"grpo: binary rollout accuracy over {len(rows)} rollouts (>= 20), first ten {first:.3f}, last ten {last:.3f} "
         "(does not fall)",
     )
@@ -200,11 +200,10 @@ def grpo_claims(params: dict) -> None:
         (t0, sft_best), (t1, grpo_best) = best_view(sft), best_view(grpo)
         best = change(sft_best[family], grpo_best[family])
         at_best = f"at each one's best temperature (sft T={t0:g}, grpo T={t1:g}) {best[1]}"
-        # Held on seeds 0, 1 and 2: no loss greedy or at the best temperature. Issue 56's +2 and +3 SE hold on
-        # seed 0 only (docs/grpo.md#moving-the-mode-issue-56), so they are printed
-        claim(greedy[0] >= -1, f"grpo: rewarded {family} greedy {greedy[1]} (>= -1)")
+        # Held on seeds 0, 1 and 2 since grpo.entropy_coef -0.05: greedy +2 SE (+4.1, +2.1, +2.2) and no loss at
+        # the best temperature; issue 56's +3 SE there holds on seed 0 only (docs/grpo.md#moving-the-mode-issue-56)
+        claim(greedy[0] >= 2, f"grpo: rewarded {family} greedy {greedy[1]} (>= +2)")
         claim(best[0] >= -1, f"grpo: rewarded {family} {at_best} (>= -1)")
-        target(greedy[0] >= 2, f"grpo: rewarded {family} greedy {greedy[1]} (>= +2)")
         target(best[0] >= 3, f"grpo: rewarded {family} {at_best} (>= +3)")
         sampled = change(sft["chat_sampled"][family], grpo["chat_sampled"][family])
         print(f"info  grpo: rewarded {family} sampled at T=1 {sampled[1]} (sharpening: a temperature gives it free)")

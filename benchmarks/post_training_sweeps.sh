@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo10 | distill1 … distill4 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -114,6 +114,25 @@ case "${1:?which sweep: grpo1 … grpo10 | distill1 … distill4 | seeds | base1
     $E -S seed=1 -S grpo.temperature=0.6 -S grpo.steps=120 -S grpo.eval_every=120 --name g3t06steps120-s1
     $E -S seed=1 -S grpo.temperature=0.6 -S grpo.group_size=16 -S grpo.prompts_per_step=16 --name g4t06g16-s1
     ;;
+  grpo11)  # seeds 1, 2, 0 on today's default (u3): a T = 1 rollout's mixed groups miss 1.4 times in 8 on
+    # average (u3 on seed 1: 36% of groups mixed, 0.3% all wrong, accuracy 0.932), and with every correct
+    # sample kept a prompt's weight sums to share wrong × share right, so a prompt missed 7 times in 8 weighs
+    # what one missed once does. One correct sample a prompt (rft_keep one) makes it the share wrong. The
+    # entropy term, both signs. And GRPO's own objective, whose negative samples say which borrow was wrong:
+    # rft on seed 2 traded spurious borrows for missed ones (benchmarks/arithmetic_errors.py)
+    E="dvc exp run --queue"
+    for seed in 1 2 0; do  # on seed 0 only what held on seeds 1 and 2
+      [ $seed = 0 ] || $E -S seed=$seed -S grpo.rft_keep=one --name h1one-s$seed
+      [ $seed = 0 ] || $E -S seed=$seed -S grpo.entropy_coef=0.05 --name h2entp-s$seed
+      $E -S seed=$seed -S grpo.entropy_coef=-0.05 --name h3entm-s$seed
+      $E -S seed=$seed -S grpo.objective=grpo --name h4grpo-s$seed
+    done
+    ;;
+  grpo12)  # seeds 1, 2, 0: the entropy term's size on either side of grpo11's -0.05 (the default from then on)
+    E="dvc exp run --queue"
+    for seed in 1 2 0; do $E -S seed=$seed -S grpo.entropy_coef=-0.1 --name h5entm10-s$seed; done
+    for seed in 1 2 0; do $E -S seed=$seed -S grpo.entropy_coef=-0.02 --name h6entm02-s$seed; done
+    ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1
     dvc exp run --queue -S seed=2 --name defaults-s2
@@ -143,6 +162,12 @@ case "${1:?which sweep: grpo1 … grpo10 | distill1 … distill4 | seeds | base1
     $E -S distill.on_policy=0.25 --name k5onpol25-s0
     $E -S distill.steps=300 -S distill.eval_every=150 -S distill.checkpoint_every=150 --name k6steps300-s0
     for seed in 1 2; do dvc exp run --queue -S seed=$seed -S distill.alpha=1.0 --name k1alpha1-s$seed; done
+    ;;
+  distill5)  # the soft term's weight between distill4's 0.5 (val loss below the control's on every seed, greedy
+    # +1.0 SE on seed 0) and 0.75 (greedy +2.6 / +3.2 / +3.6 SE, val loss tied on seed 0)
+    dvc exp run --queue -S seed=0 -S distill.alpha=0.6 --name k7alpha06-s0
+    for seed in 0 1 2; do dvc exp run --queue -S seed=$seed -S distill.alpha=0.65 --name k8alpha065-s$seed; done
+    for seed in 1 2; do dvc exp run --queue -S seed=$seed -S distill.alpha=0.6 --name k7alpha06-s$seed; done
     ;;
   base1)  # seeds 0, 1, 2 (issue 56, item 4): pretraining's val loss still falls 0.03 to 0.04 nats over its
     # last 80 steps on every seed, and the arithmetic completion follows the final loss (0.898 / 0.827 / 0.764

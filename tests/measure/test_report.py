@@ -48,3 +48,10 @@ def test_a_student_that_does_not_clear_the_bar_over_its_control_is_told_so():
         "(arithmetic greedy +1.6 SE, val loss +0.0018 nats)"
     )
     assert beats_control(control, student(0.800, 0.5000), ["arithmetic"]).startswith("; it beats its control")
+    # +2.997 SE (the default's seed 0 at alpha 0.6) is a miss, not "+3.0"
+    said = beats_control(
+        {"chat": {"arithmetic": {"accuracy": 0.733, "accuracy_se": 0.013990}}, "val_loss": 0.4870},
+        {"chat": {"arithmetic": {"accuracy": 0.790, "accuracy_se": 0.012881}}, "val_loss": 0.4850},
+        ["arithmetic"],
+    )
+    assert said.endswith("(arithmetic greedy +2.997 SE)")

@@ -342,8 +342,9 @@ def beats_control(control: dict, student: dict, families: list[str]) -> str:
     for f in families:
         a, b = control["chat"][f], student["chat"][f]
         se = math.hypot(a["accuracy_se"], b["accuracy_se"])
-        if not se or (b["accuracy"] - a["accuracy"]) / se < BAR_SE:
-            short.append(f"{f} greedy {(b['accuracy'] - a['accuracy']) / se if se else 0:+.1f} SE")
+        diff = (b["accuracy"] - a["accuracy"]) / se if se else 0.0
+        if diff < BAR_SE:  # a miss that one decimal would round up to the bar shows three
+            short.append(f"{f} greedy {diff:+.1f} SE" if round(diff, 1) < BAR_SE else f"{f} greedy {diff:+.3f} SE")
     if student["val_loss"] >= control["val_loss"]:
         short.append(f"val loss {student['val_loss'] - control['val_loss']:+.4f} nats")
     if not short:
