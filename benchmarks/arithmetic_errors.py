@@ -5,10 +5,10 @@ named experiments (issue 56: the few errors GRPO must fix on seeds 1 and 2).
     python benchmarks/arithmetic_errors.py u3full-dyn-s1 h1one-s1 --models sft grpo --show
 
 A subtraction's worked answer starts with its ones digits, "14 minus 3 is …" when it borrows and
-"4 minus 3 is …" when it does not; an error is a *spurious borrow* (borrowed where the top ones digit
-is at least the bottom one), a *missed borrow* (did not where it is smaller), another subtraction
-error (a digit worked or copied wrong), or an addition's. Each
-experiment is read at its own commit (`git for-each-ref refs/exps`), through `dvc.api.open`.
+"4 minus 3 is …" when it does not; an error is a *spurious borrow* (borrowed where the task's own
+working, `stagelm.tasks.arithmetic.working`, does not), a *missed borrow* (did not where it does),
+another subtraction error (a digit worked or copied wrong), or an addition's. Each experiment is
+read at its own commit (`git for-each-ref refs/exps`), through `dvc.api.open`.
 """
 
 import argparse
@@ -19,36 +19,44 @@ from collections import Counter
 
 import dvc.api
 
+from stagelm.tasks.arithmetic import working
+from stagelm.tasks.family import first_sentence
+
 QUESTION = re.compile(r"(\d+) (plus|minus) (\d+)")
-FIRST = re.compile(r"\s*(\d+) (?:plus|minus) (\d+) is")
 KINDS = ("spurious borrow", "missed borrow", "other subtraction", "addition")
 
 
-def experiment_commits() -> dict[str, str]:
+def experiment_commit(name: str) -> str:
+    """The commit of the experiment `name`; refused in one line when no experiment or several have it."""
     refs = subprocess.run(
         ["git", "for-each-ref", "refs/exps", "--format=%(refname) %(objectname)"],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split("\n")
-    return {ref.rsplit("/", 1)[1].split()[0]: ref.split()[1] for ref in refs if ref.strip()}
+    ).stdout.split()
+    found = [commit for ref, commit in zip(refs[::2], refs[1::2], strict=True) if ref.rsplit("/", 1)[1] == name]
+    if len(found) != 1:
+        raise SystemExit(f"{name}: {len(found)} experiments have this name (see dvc exp list --all-commits)")
+    return found[0]
 
 
 def kind(prompt: str, completion: str) -> str:
     """The error's kind: spurious borrow, missed borrow, other subtraction or addition."""
-    question, first = QUESTION.findall(prompt), FIRST.match(completion)
-    if question and question[-1][1] == "plus":
+    a, op, b = QUESTION.findall(prompt)[-1]
+    if op == "plus":
         return "addition"
-    if not question or not first:
+    needs = borrows(working(int(a), op, int(b)))
+    borrowed = borrows(first_sentence(completion).strip())
+    if borrowed is None or borrowed == needs:
         return "other subtraction"
-    top, _, bottom = question[-1]
-    needs = int(top) % 10 < int(bottom) % 10
-    borrowed = int(first.group(1)) >= 10
-    if borrowed and not needs:
-        return "spurious borrow"
-    if needs and not borrowed:
-        return "missed borrow"
-    return "other subtraction"
+    return "spurious borrow" if borrowed else "missed borrow"
+
+
+def borrows(answer: str) -> bool | None:
+    """Whether a worked subtraction borrows in its ones column (`14 minus 3 is …`); None if it does not
+    start with a column."""
+    ones = re.match(r"(\d+) minus \d+ is", answer)
+    return None if ones is None else int(ones.group(1)) >= 10
 
 
 def errors(rev: str | None, model: str) -> list[dict]:
@@ -64,8 +72,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["sft", "grpo"])
     parser.add_argument("--show", action="store_true", help="print each wrong answer too")
     args = parser.parse_args()
-    commits = experiment_commits()
-    runs = [(name, commits[name]) for name in args.names] or [("workspace", None)]
+    runs = [(name, experiment_commit(name)) for name in args.names] or [("workspace", None)]
     print("| run | model | greedy errors | spurious borrow | missed borrow | other subtraction | addition |")
     print("|---|---|---|---|---|---|---|")
     shown = []
