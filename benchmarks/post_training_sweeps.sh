@@ -133,6 +133,13 @@ case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1
     for seed in 1 2 0; do $E -S seed=$seed -S grpo.entropy_coef=-0.1 --name h5entm10-s$seed; done
     for seed in 1 2 0; do $E -S seed=$seed -S grpo.entropy_coef=-0.02 --name h6entm02-s$seed; done
     ;;
+  grpo13)  # seeds 1 and 2 on today's default (entropy -0.05): its best-T reading is +1.8 / +2.7 SE there, short of
+    # +3. The sharpening term beside rollouts at T 0.6 (grpo10: greedy up on both seeds without it), and more updates
+    # (the budget allows 120: the stage takes 251 s of make repro's 1,052)
+    E="dvc exp run --queue"
+    for seed in 1 2; do $E -S seed=$seed -S grpo.temperature=0.6 --name j1t06-s$seed; done
+    for seed in 1 2; do $E -S seed=$seed -S grpo.steps=120 -S grpo.eval_every=120 --name j2steps120-s$seed; done
+    ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1
     dvc exp run --queue -S seed=2 --name defaults-s2
@@ -168,6 +175,12 @@ case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1
     dvc exp run --queue -S seed=0 -S distill.alpha=0.6 --name k7alpha06-s0
     for seed in 0 1 2; do dvc exp run --queue -S seed=$seed -S distill.alpha=0.65 --name k8alpha065-s$seed; done
     for seed in 1 2; do dvc exp run --queue -S seed=$seed -S distill.alpha=0.6 --name k7alpha06-s$seed; done
+    ;;
+  distill6)  # seed 0 first: the soft term's temperature. At T 2 the soft targets are flatter than the teacher's own,
+    # whose corpus loss (0.475) is below the student's: alpha 0.65 met +3 SE greedy on every seed and lost seed 0's val
+    # loss by 0.0003 nats (distill5)
+    dvc exp run --queue -S seed=0 -S distill.alpha=0.65 -S distill.temperature=1.5 --name l1a065t15-s0
+    dvc exp run --queue -S seed=0 -S distill.alpha=0.8 -S distill.temperature=1.0 --name l2a08t1-s0
     ;;
   base1)  # seeds 0, 1, 2 (issue 56, item 4): pretraining's val loss still falls 0.03 to 0.04 nats over its
     # last 80 steps on every seed, and the arithmetic completion follows the final loss (0.898 / 0.827 / 0.764

@@ -22,7 +22,15 @@ from stagelm.model.lora import NORMS
 from stagelm.model.modeldir import load_model, read_model_context
 from stagelm.pipeline.params import load_section
 from stagelm.post.grpo import group_advantages, grpo_loss, token_logprobs
-from stagelm.post.rollouts import Group, Rollouts, graded_length, rollout_metrics, rollout_sets, sample_weights
+from stagelm.post.rollouts import (
+    Group,
+    Rollouts,
+    graded_length,
+    rollout_metrics,
+    rollout_sets,
+    sample_weights,
+    unsure_prompts,
+)
 from stagelm.tasks import step_credit
 from stagelm.tasks.arithmetic import arithmetic_task, working
 from stagelm.train.loop import train
@@ -401,6 +409,7 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
         change |= {"objective": "grpo"}  # the micro policy answers no sum right: rft would train on nothing
     else:  # every weight, on a reward the micro policy earns (rft would train on nothing: it answers no sum)
         change |= {"objective": "grpo", "method": "full", "families": ["uses_word"], "format_weight": 1.0}
+        change |= {"revisit": 0.5}  # the unsure prompts a rollout found are in the checkpoint, for the next one
     command = lambda work: grpo_command(micro_data, policy, work)  # noqa: E731
     killed, whole, _ = killed_and_whole(tmp_path, micro_params(grpo=change), command)
     assert_same_outputs(killed, whole, "model")
@@ -408,6 +417,8 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
     assert rewards_of(killed) == rewards_of(whole)
     drawn = [rewards_of(w, "prompts_drawn") for w in (killed, whole)]
     assert drawn[0] == drawn[1] and (max(drawn[1]) > 8) == (method == "lora"), drawn
+    revisited = [rewards_of(w, "prompts_revisited") for w in (killed, whole)]
+    assert revisited[0] == revisited[1] and (max(revisited[1]) > 0) == (method == "full"), revisited
     provenance = read_json(whole / "out/provenance.json")
     assert provenance["stage"] == "grpo"
     before = load_model(policy)
@@ -574,3 +585,32 @@ def test_dynamic_sampling_fills_the_update_with_groups_that_differ(micro_data, p
     completions = np.s_[: len(rows), -12:]  # the last max_new_tokens columns (the prompts' width may differ)
     np.testing.assert_array_equal(dynamic["tokens"][completions], plain["tokens"][rows, -12:])
     np.testing.assert_array_equal(groups[: len(mixed)], first[mixed])
+
+
+def test_unsure_prompts_by_hand():
+    """The prompts whose samples scored differently, the lowest mean reward first, then in draw order."""
+    rows = np.zeros((4, 3), np.int32)
+    rewards = {7: [1, 1, 1, 1], 3: [1, 0, 1, 1], 9: [0, 0, 1, 0], 4: [0, 0, 0, 0], 1: [0, 1, 1, 1], 2: [1, 0, 0, 0]}
+    rewards |= {8: [0.5, 0.5, 0.5, 0.5], 6: [0.5, 0, 0, 0]}  # partial credit (reward: steps)
+    groups = [Group(i, rows, [float(r) for r in got], [], [], [], []) for i, got in rewards.items()]
+    assert unsure_prompts(groups) == [6, 9, 2, 3, 1]
+
+
+def test_revisit_samples_the_last_rollouts_unsure_prompts_first(micro_data, policy):
+    """With `revisit` a rollout's first batch begins with up to that share of the last rollout's
+    unsure prompts, and fresh prompts of the seeded stream fill the rest; what it finds unsure is
+    what the next one revisits."""
+    change = {"families": ["uses_word"], "prompts_per_step": 8, "group_size": 4, "anchor_coef": 0.0}
+    change |= {"max_new_tokens": 12, "dynamic_sampling": False, "revisit": 0.5}
+    model = load_model(policy)
+    gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
+    cfg = grpo_section(**change)
+    rollouts = Rollouts(cfg, gen, nnx.graphdef(model), rollout_sets(micro_data / "raw", cfg)[0], seed=0)
+    rollouts.unsure = [5, 1, 6, 0, 2]  # as if the last rollout had found these unsure
+    metrics = rollouts.draw(gen.params)
+    assert metrics["rollout/prompts_revisited"] == 4
+    expected = [5, 1, 6, 0, *rollouts.prompt_indices(0, 4)]
+    tokens, _, _ = gen.layout([rollouts.prompts[i] for i in expected for _ in range(4)], 12)
+    np.testing.assert_array_equal(rollouts.batch["tokens"][:, : tokens.shape[1]], np.asarray(tokens))
+    assert rollouts.drawn == 4 and metrics["rollout/samples_seen"] == 8 * 4  # the stream moved on by the fresh four
+    assert set(rollouts.unsure) <= set(expected)

@@ -464,6 +464,11 @@ class GrpoConfig(OptimizerConfig):
     )
     dynamic_sampling: bool = param("drop groups whose samples all scored alike and draw more prompts (DAPO)")
     max_draws: int = param("dynamic sampling: prompt batches drawn per rollout at most", POSITIVE)
+    revisit: float = param(
+        "share of a rollout's first batch of prompts given to the previous rollout's unsure ones (samples that "
+        "scored differently; the lowest mean reward first): more samples where the policy is unsure; 0 = fresh only",
+        UNIT,
+    )
     kl_coef: float = param(
         "weight of the k3 KL to the reference on the rollouts' tokens; 0 = off",
         (lambda v: 0 <= v <= 1000, "a {type} in [0, 1000] (beyond, the KL term overflows the loss)"),

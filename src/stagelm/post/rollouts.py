@@ -142,6 +142,8 @@ class Rollouts:
         self.ref = jax.tree.map(jnp.copy, gen.params)
         self.rollout = 0  # rollouts drawn so far
         self.drawn = 0  # prompts drawn so far (their stream is seeded: see prompt_indices)
+        self.sampled = 0  # prompts sampled so far: the drawn ones and the revisited ones
+        self.unsure: list[int] = []  # the last rollout's unsure prompts, the lowest reward first (grpo.revisit)
         self.update = 0  # updates taken on the current rollout
         self.batch: dict[str, np.ndarray] | None = None
         self.ready_at: float | None = None
@@ -228,10 +230,12 @@ class Rollouts:
     def draw(self, policy: Any) -> dict[str, float]:
         """Sample, score and lay out one rollout with the current policy; its host metrics.
 
-        With `dynamic_sampling`, groups that teach the objective nothing (`Group.teaches`) are
-        set aside and more prompts drawn, up to `max_draws` batches, until `prompts_per_step`
-        groups teach; a rollout still short fills with set-aside groups. The metrics cover
-        every drawn sample, before any group is set aside.
+        With `revisit` > 0 the first batch begins with up to that share of the previous rollout's
+        unsure prompts (`unsure_prompts`) and fresh ones fill the rest. With `dynamic_sampling`,
+        groups that teach the objective nothing (`Group.teaches`) are set aside and more
+        prompts drawn, up to `max_draws` batches, until `prompts_per_step` groups teach; a
+        rollout still short fills with set-aside groups. The metrics cover every drawn sample,
+        before any group is set aside.
         """
         cfg = self.cfg
         jax.block_until_ready(policy)
@@ -242,9 +246,14 @@ class Rollouts:
         kept: list[Group] = []
         alike: list[Group] = []
         drawn: list[Group] = []
+        revisited = np.asarray(self.unsure[: int(cfg.revisit * per)], np.int64)
         for draw in range(cfg.max_draws if cfg.dynamic_sampling else 1):
-            chosen = self.prompt_indices(self.drawn, per)
-            self.drawn += per
+            fresh = per - len(revisited) if draw == 0 else per
+            chosen = self.prompt_indices(self.drawn, fresh)
+            if draw == 0:
+                chosen = np.concatenate([revisited, chosen])
+            self.drawn += fresh
+            self.sampled += per
             groups = self.sample_groups(policy, chosen, key if draw == 0 else jax.random.fold_in(key, draw))
             drawn += groups
             for group in groups:
@@ -252,12 +261,14 @@ class Rollouts:
             if len(kept) >= per:
                 break
         groups = (kept + alike)[:per]
+        self.unsure = unsure_prompts(drawn)
         rollout_s = time.perf_counter() - t0
         self.batch = self.layout(policy, groups)
         self.rollout += 1
         self.ready_at = time.perf_counter()
         metrics = rollout_metrics(drawn)
-        metrics["rollout/samples_seen"] = float(self.drawn * cfg.group_size)  # completions generated so far
+        metrics["rollout/samples_seen"] = float(self.sampled * cfg.group_size)  # completions generated so far
+        metrics["rollout/prompts_revisited"] = float(len(revisited))
         metrics["perf/rollout_tokens_per_sec"] = float(sum(sum(g.lengths) for g in drawn) / rollout_s)
         if update_s is not None:
             metrics["perf/update_seconds"] = update_s
@@ -295,7 +306,13 @@ class Rollouts:
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        return {"rollout": self.rollout, "update": self.update, "drawn": self.drawn}
+        return {
+            "rollout": self.rollout,
+            "update": self.update,
+            "drawn": self.drawn,
+            "sampled": self.sampled,
+            "unsure": [int(i) for i in self.unsure],
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state["update"] != 0:
@@ -304,6 +321,7 @@ class Rollouts:
                 "rollouts; delete this run's folder under runs/.checkpoints/grpo/ to start over"
             )
         self.rollout, self.update, self.drawn = state["rollout"], 0, state["drawn"]
+        self.sampled, self.unsure = state["sampled"], list(state["unsure"])
 
 
 def anchor_set(chat: ChatFormat, conversations: list[dict]) -> dict[str, np.ndarray]:
@@ -316,6 +334,14 @@ def anchor_set(chat: ChatFormat, conversations: list[dict]) -> dict[str, np.ndar
         rows["tokens"][i, :n], rows["loss_mask"][i, :n] = ids, mask
         rows["segment_ids"][i, :n], rows["positions"][i, :n] = 1, np.arange(n)
     return rows
+
+
+def unsure_prompts(groups: list[Group]) -> list[int]:
+    """The prompts of `groups` whose samples scored differently (with the outcome reward: partly right),
+    the lowest mean reward first, then in draw order: where the policy is unsure, which `grpo.revisit`
+    samples again."""
+    unsure = [g for g in groups if np.ptp(g.rewards) > 0]
+    return [g.index for g in sorted(unsure, key=lambda g: float(np.mean(g.rewards)))]
 
 
 def sample_weights(groups: list["Group"], cfg: GrpoConfig) -> np.ndarray:
