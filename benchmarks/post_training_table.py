@@ -6,8 +6,8 @@ and the distilled student beside its control, for the named experiments and the 
     python benchmarks/post_training_table.py b1full600-s0 b1full600-s1 --rev 7385f41  # another commit's
 
 Accuracy is on the held-out arithmetic prompts (pooled over the families: one family by default);
-a difference is in standard errors of the difference. A queued experiment that has not finished
-is left out.
+a difference is in standard errors of the difference. A queued or running experiment that has not
+finished is left out.
 """
 
 import json
@@ -28,6 +28,8 @@ def runs(names: list[str], rev: str | None = None) -> dict[str, dict]:
         revs = [("workspace", commit)] if commit["rev"] == "workspace" else []
         revs += [(r["name"], r) for e in commit.get("experiments") or [] for r in e["revs"]]
         for name, rev in revs:
+            if name != "workspace" and (rev.get("data") or {}).get("rev") == "workspace":
+                continue  # running: its metrics are its temporary workspace's, the baseline's until it ends
             metrics = ((rev.get("data") or {}).get("metrics")) or {}
             files = {path: v.get("data", {}) for path, v in metrics.items()}
             if name in names and files.get("runs/eval/distill/metrics.json"):
