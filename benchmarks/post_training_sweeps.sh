@@ -140,11 +140,15 @@ case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1
     for seed in 1 2; do $E -S seed=$seed -S grpo.temperature=0.6 --name j1t06-s$seed; done
     for seed in 1 2; do $E -S seed=$seed -S grpo.steps=120 -S grpo.eval_every=120 --name j2steps120-s$seed; done
     ;;
-  grpo14)  # seeds 1 and 2 (from the commit that added grpo.revisit): half of each rollout's first prompts are the last
-    # rollout's unsure ones, the most missed first: more samples where the policy still errs (issue 56's "more
-    # samples on those"); seed 1's SFT leaves 14 errors in 1,000, so few of a fresh batch's prompts teach
+  grpo14)  # seed 1, where the default is furthest from +3 SE at the best T (its SFT leaves 14 errors in 1,000, so few
+    # of a fresh batch's prompts teach): more samples where the policy still errs (issue 56's "more samples on
+    # those"). Half of each rollout's first prompts the last rollout's unsure ones, the most missed first (from the
+    # commit that added grpo.revisit; seed 2's run was dropped when seed 1 fell behind); up to 8 batches drawn to
+    # fill a rollout with groups that teach; 64 prompts a rollout
     E="dvc exp run --queue"
-    for seed in 1 2; do $E -S seed=$seed -S grpo.revisit=0.5 --name j3rev05-s$seed; done
+    $E -S seed=1 -S grpo.revisit=0.5 --name j3rev05-s1
+    $E -S seed=1 -S grpo.max_draws=8 --name j4draws8-s1
+    $E -S seed=1 -S grpo.prompts_per_step=64 --name j5pps64-s1
     ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1
@@ -187,7 +191,12 @@ case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1
     # loss by 0.0003 nats (distill5)
     dvc exp run --queue -S seed=0 -S distill.alpha=0.65 -S distill.temperature=1.5 --name l1a065t15-s0
     dvc exp run --queue -S seed=0 -S distill.alpha=0.8 -S distill.temperature=1.0 --name l2a08t1-s0
-    dvc exp run --queue -S seed=0 -S distill.temperature=2.5 --name l3t25-s0  # from the commit of grpo14
+    dvc exp run --queue -S seed=0 -S distill.temperature=2.5 --name l3t25-s0  # from the commit after grpo.revisit's
+    ;;
+  distill7)  # seeds 0 and 1, then 2 if both hold (from f00bef0): the weight between distill5's 0.6 (greedy +2.997 and
+    # +2.8 SE on seeds 0 and 1, val loss below the control's) and 0.65 (greedy above +3 SE, val loss 0.0003 nats
+    # above the control's on seed 0)
+    for seed in 0 1; do dvc exp run --queue -S seed=$seed -S distill.alpha=0.62 --name k9alpha062-s$seed; done
     ;;
   base1)  # seeds 0, 1, 2 (issue 56, item 4): pretraining's val loss still falls 0.03 to 0.04 nats over its
     # last 80 steps on every seed, and the arithmetic completion follows the final loss (0.898 / 0.827 / 0.764
