@@ -602,6 +602,7 @@ def test_revisit_samples_the_last_rollouts_unsure_prompts_first(micro_data, poli
     what the next one revisits."""
     change = {"families": ["uses_word"], "prompts_per_step": 8, "group_size": 4, "anchor_coef": 0.0}
     change |= {"max_new_tokens": 12, "dynamic_sampling": False, "revisit": 0.5}
+    change |= {"format_weight": 1.0}  # a reward the micro policy earns on some samples and not others
     model = load_model(policy)
     gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
     cfg = grpo_section(**change)
@@ -613,4 +614,13 @@ def test_revisit_samples_the_last_rollouts_unsure_prompts_first(micro_data, poli
     tokens, _, _ = gen.layout([rollouts.prompts[i] for i in expected for _ in range(4)], 12)
     np.testing.assert_array_equal(rollouts.batch["tokens"][:, : tokens.shape[1]], np.asarray(tokens))
     assert rollouts.drawn == 4 and metrics["rollout/samples_seen"] == 8 * 4  # the stream moved on by the fresh four
-    assert set(rollouts.unsure) <= set(expected)
+    # without dynamic sampling the batch is the drawn groups in order: a group scored differently where its
+    # advantages differ, and those prompts, each once, are the next rollout's to revisit
+    differ = np.ptp(rollouts.batch["advantages"][:, 0].reshape(8, 4), axis=1) > 0
+    assert 0 < differ.sum() < 8, differ
+    assert sorted(rollouts.unsure) == sorted(expected[g] for g in np.flatnonzero(differ))
+    revisited_next = rollouts.unsure[:4]
+    rollouts.draw(gen.params)
+    again = [*revisited_next, *rollouts.prompt_indices(4, 8 - len(revisited_next))]
+    tokens, _, _ = gen.layout([rollouts.prompts[i] for i in again for _ in range(4)], 12)
+    np.testing.assert_array_equal(rollouts.batch["tokens"][:, : tokens.shape[1]], np.asarray(tokens))
