@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo15 | distill1 … distill8 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -150,6 +150,13 @@ case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1
     $E -S seed=1 -S grpo.max_draws=8 --name j4draws8-s1
     $E -S seed=1 -S grpo.prompts_per_step=64 --name j5pps64-s1
     ;;
+  grpo15)  # seed 1, then 2 and 0 for what holds: the learning rate's schedule, never swept (constant 3e-5 after 20
+    # warmup updates). The last 15 rollouts move seed 1's reading by about 1 SE (grpo14's max_draws 8); a rate that
+    # decays to 0 damps those last updates, as averaging the last weights would
+    E="dvc exp run --queue"
+    $E -S seed=1 -S grpo.schedule=wsd -S grpo.decay_fraction=0.25 -S grpo.min_lr_ratio=0.0 --name m1wsd-s1
+    $E -S seed=1 -S grpo.schedule=cosine -S grpo.min_lr_ratio=0.0 --name m2cos-s1
+    ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1
     dvc exp run --queue -S seed=2 --name defaults-s2
@@ -197,6 +204,12 @@ case "${1:?which sweep: grpo1 … grpo12 | distill1 … distill5 | seeds | base1
     # +2.8 SE on seeds 0 and 1, val loss below the control's) and 0.65 (greedy above +3 SE, val loss 0.0003 nats
     # above the control's on seed 0)
     for seed in 0 1; do dvc exp run --queue -S seed=$seed -S distill.alpha=0.62 --name k9alpha062-s$seed; done
+    ;;
+  distill8)  # seed 0 first (from the commit after grpo14's docs): 300 steps turned the student's lead round
+    # (distill4), so fewer steps, where the teacher has the most to give; and the cosine to 0 rather than 0.1 × lr
+    E="dvc exp run --queue -S seed=0"
+    $E -S distill.steps=100 -S distill.eval_every=50 -S distill.checkpoint_every=50 --name n1steps100-s0
+    $E -S distill.min_lr_ratio=0.0 --name n2minlr0-s0
     ;;
   base1)  # seeds 0, 1, 2 (issue 56, item 4): pretraining's val loss still falls 0.03 to 0.04 nats over its
     # last 80 steps on every seed, and the arithmetic completion follows the final loss (0.898 / 0.827 / 0.764
