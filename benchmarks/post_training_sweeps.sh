@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo15 | distill1 … distill8 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo16 | distill1 … distill8 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -156,6 +156,14 @@ case "${1:?which sweep: grpo1 … grpo15 | distill1 … distill8 | seeds | base1
     E="dvc exp run --queue"
     $E -S seed=1 -S grpo.schedule=wsd -S grpo.decay_fraction=0.25 -S grpo.min_lr_ratio=0.0 --name m1wsd-s1
     $E -S seed=1 -S grpo.schedule=cosine -S grpo.min_lr_ratio=0.0 --name m2cos-s1
+    ;;
+  grpo16)  # the default's own spread (from the commit that added grpo.seed): two more draws of GRPO on each seed's
+    # SFT model, beside the default's run (grpo.seed null draws as the top-level seed), seeds 1 and 2 first; seed 0's
+    # first run retrains its base under the new config and leaves `make repro` only grpo's part to run
+    for seed in 1 2; do
+      for draw in 1001 1002; do dvc exp run --queue -S seed=$seed -S grpo.seed=$draw --name p${draw}-s$seed; done
+    done
+    dvc exp run --queue -S seed=0 -S grpo.seed=1001 --name p1001-s0
     ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1

@@ -36,7 +36,7 @@ def main() -> None:
     args = stage.args
     cfg = load_section(stage.params, "grpo")
     require_families(cfg.families, "grpo.families")
-    seed = load_seed(stage.params)
+    seed = load_seed(stage.params) if cfg.seed is None else cfg.seed
 
     tokenizer_file = args.model / "tokenizer.json"
     val_rows = PackedRows(args.val)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, built_once, micro_params, run, run_in_process, write_params
+from conftest import ROOT, built_once, micro_params, run, run_in_process, tree_bytes, write_params
 from flax import nnx
 from resume import assert_same_outputs, killed_and_whole
 
@@ -429,6 +429,22 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
 
 
 @pytest.mark.slow
+def test_grpo_seed_draws_as_the_top_level_seed_does(micro_data, policy, tmp_path):
+    """`grpo.seed` S is the stage's own: on the same SFT model the stage under seed 0 with grpo.seed S
+    writes the bytes it writes under seed S, and other bytes than under seed 0 alone."""
+    change = {"steps": 2, "eval_every": 2, "checkpoint_every": 2, "dynamic_sampling": False, "objective": "grpo"}
+    change |= {"method": "full", "families": ["uses_word"], "format_weight": 1.0}  # rewards the micro policy earns
+    for name, seed, own in (("own", 0, 5), ("top", 5, None), ("base", 0, None)):
+        work = tmp_path / name / "out"
+        work.parent.mkdir()
+        write_params(work.parent / "params.yaml", micro_params(grpo=change | {"seed": own}, seed=seed))
+        run(grpo_command(micro_data, policy, work.parent), work.parent)
+    assert_same_outputs(tmp_path / "own", tmp_path / "top", "model")
+    assert rewards_of(tmp_path / "own") == rewards_of(tmp_path / "top")
+    assert tree_bytes(tmp_path / "own/out/model") != tree_bytes(tmp_path / "base/out/model")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -448,6 +464,7 @@ def test_grpo_stage_resumes_after_sigkill_bitwise(micro_data, policy, tmp_path, 
         ({"grad_accum": 3}, "grpo.grad_accum: 3 does not divide grpo.prompts_per_step 8"),
         ({"families": ["uses_word"], "reward": "steps"}, "grpo.reward: steps needs families whose answers have"),
         ({"objective": "dpo"}, "grpo.objective: expected one of 'grpo', 'rft', got 'dpo'"),
+        ({"seed": -1}, "grpo.seed: expected an int in [0, 2**32), got -1"),
     ],
 )
 def test_grpo_bad_params_fail_in_one_line(micro_data, policy, tmp_path, change, message, capsys):

@@ -422,6 +422,11 @@ class GrpoConfig(OptimizerConfig):
     batch_key: ClassVar[str] = "grpo.prompts_per_step"  # a micro-batch is a share of a rollout's samples
 
     families: list[str] = param("RL task families rewarded, and so targeted")
+    seed: int | None = param(
+        "the seed of the stage's own draws (the prompts' order, the samples, LoRA's init); null = the top-level "
+        "seed. Another value reruns GRPO alone on the same SFT model: the spread of one recipe's runs",
+        SEED,
+    )
     objective: str = param(
         "grpo: the clipped-ratio policy gradient on group advantages; rft: the next-token loss on the "
         "rollout's correct samples (rejection-sampling fine-tuning, expert iteration)",
