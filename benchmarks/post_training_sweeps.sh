@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo16 | distill1 … distill8 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo17 | distill1 … distill8 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -164,6 +164,12 @@ case "${1:?which sweep: grpo1 … grpo16 | distill1 … distill8 | seeds | base1
       for draw in 1001 1002; do dvc exp run --queue -S seed=$seed -S grpo.seed=$draw --name p${draw}-s$seed; done
     done
     dvc exp run --queue -S seed=0 -S grpo.seed=1001 --name p1001-s0
+    ;;
+  grpo17)  # seed 1: 120 updates (grpo13's j2steps120, the one lever that raised greedy accuracy on seeds 1 and 2),
+    # drawn twice more, to set beside the default's three draws (grpo16)
+    for draw in 1001 1002; do
+      dvc exp run --queue -S seed=1 -S grpo.steps=120 -S grpo.seed=$draw --name q${draw}steps120-s1
+    done
     ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
     dvc exp run --queue -S seed=1 --name defaults-s1

@@ -434,6 +434,7 @@ def test_grpo_seed_draws_as_the_top_level_seed_does(micro_data, policy, tmp_path
     writes the bytes it writes under seed S, and other bytes than under seed 0 alone."""
     change = {"steps": 2, "eval_every": 2, "checkpoint_every": 2, "dynamic_sampling": False, "objective": "grpo"}
     change |= {"method": "full", "families": ["uses_word"], "format_weight": 1.0}  # rewards the micro policy earns
+    change |= {"max_new_tokens": 12, "eval_batches": 1}
     for name, seed, own in (("own", 0, 5), ("top", 5, None), ("base", 0, None)):
         work = tmp_path / name / "out"
         work.parent.mkdir()
