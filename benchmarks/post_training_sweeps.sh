@@ -166,9 +166,13 @@ case "${1:?which sweep: grpo1 … grpo17 | distill1 … distill8 | seeds | base1
     dvc exp run --queue -S seed=0 -S grpo.seed=1001 --name p1001-s0
     ;;
   grpo17)  # seed 1: 120 updates (grpo13's j2steps120, the one lever that raised greedy accuracy on seeds 1 and 2),
-    # drawn twice more, to set beside the default's three draws (grpo16)
-    for draw in 1001 1002; do
-      dvc exp run --queue -S seed=1 -S grpo.steps=120 -S grpo.eval_every=120 -S grpo.seed=$draw --name q${draw}steps120-s1
+    # drawn twice more on seeds 1 and 2, to set beside the default's three draws (grpo16); seed 2's were queued
+    # once seed 1's first draw read +2.1 SE
+    for seed in 1 2; do
+      for draw in 1001 1002; do
+        dvc exp run --queue -S seed=$seed -S grpo.steps=120 -S grpo.eval_every=120 -S grpo.seed=$draw \
+          --name q${draw}steps120-s$seed
+      done
     done
     ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
