@@ -436,10 +436,10 @@ def test_grpo_seed_draws_as_the_top_level_seed_does(micro_data, policy, tmp_path
     change |= {"method": "full", "families": ["uses_word"], "format_weight": 1.0}  # rewards the micro policy earns
     change |= {"max_new_tokens": 12, "eval_batches": 1}
     for name, seed, own in (("own", 0, 5), ("top", 5, None), ("base", 0, None)):
-        work = tmp_path / name / "out"
-        work.parent.mkdir()
-        write_params(work.parent / "params.yaml", micro_params(grpo=change | {"seed": own}, seed=seed))
-        run(grpo_command(micro_data, policy, work.parent), work.parent)
+        work = tmp_path / name
+        work.mkdir()
+        write_params(work / "params.yaml", micro_params(grpo=change | {"seed": own}, seed=seed))
+        run(grpo_command(micro_data, policy, work), work)
     assert_same_outputs(tmp_path / "own", tmp_path / "top", "model")
     assert rewards_of(tmp_path / "own") == rewards_of(tmp_path / "top")
     assert tree_bytes(tmp_path / "own/out/model") != tree_bytes(tmp_path / "base/out/model")
