@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo17 | distill1 … distill8 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo18 | distill1 … distill8 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -172,6 +172,16 @@ case "${1:?which sweep: grpo1 … grpo17 | distill1 … distill8 | seeds | base1
       for draw in 1001 1002; do
         dvc exp run --queue -S seed=$seed -S grpo.steps=120 -S grpo.eval_every=120 -S grpo.seed=$draw \
           --name q${draw}steps120-s$seed
+      done
+    done
+    ;;
+  grpo18)  # seeds 1 and 2: rollouts above T = 1, never tried (rounds 10 and 13 sampled at T 0.6 and lost at the best
+    # temperature on both seeds). Most of seed 1's and 2's errors are one confident decision (the borrow); at T = 1
+    # the policy's entropy is 0.02 to 0.04 nats a token, so the groups of a prompt it gets wrong rarely hold a right
+    # sample for rft to train on. A hotter rollout finds more of them; the entropy term still sharpens what is trained
+    for seed in 1 2; do
+      for t in 1.3 1.6; do
+        dvc exp run --queue -S seed=$seed -S grpo.temperature=$t --name r${t/./}-s$seed
       done
     done
     ;;
