@@ -11,7 +11,7 @@
 # the docs beside the tables.
 set -euo pipefail
 Q="python benchmarks/sweep.py queue"
-case "${1:?which sweep: grpo1 … grpo19 | distill1 … distill8 | seeds | base1}" in
+case "${1:?which sweep: grpo1 … grpo20 | distill1 … distill8 | seeds | base1}" in
   grpo1)  # seed 0, 20,480 samples each (today's default drew 40 rollouts × 2 draws × 32 × 8)
     S="--samples 20480"
     P="grpo.dynamic_sampling=false"
@@ -187,6 +187,15 @@ case "${1:?which sweep: grpo1 … grpo19 | distill1 … distill8 | seeds | base1
     # or the base does): 80 -> 120 updates raised both seeds' three-draw means by 0.4 to 1.2 SE greedy (grpo17)
     for seed in 1 2; do
       dvc exp run --queue -S seed=$seed -S grpo.steps=240 -S grpo.eval_every=240 --name s240-s$seed
+    done
+    ;;
+  grpo20)  # seeds 2 and 1: 240 updates (grpo19) took seed 2 to +4.8 SE greedy and seed 1 nowhere (4 errors, as 120
+    # updates leave), at 1.3 to 2.2x the samples. Updates cost 0.84 s, a thousand samples 2.9 s (grpo19's two stage
+    # times), so 180 updates of at most two prompt batches each (<= 512 samples, not 1,024) draw about what 120 of four
+    # do on seed 0, whose rollouts mostly need three, and add a minute
+    for seed in 2 1; do
+      dvc exp run --queue -S seed=$seed -S grpo.steps=180 -S grpo.eval_every=180 -S grpo.max_draws=2 \
+        --name u180d2-s$seed
     done
     ;;
   seeds)  # the defaults on seeds 1 and 2 (seed 0 is `dvc repro`'s, the committed dvc.lock): docs/default-run.md
