@@ -47,6 +47,39 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"  # as above, for the processes a test starts
 BIN = Path(sys.executable).parent
 
+# The files that take longest, longest first (`pytest --durations=0`, summed by file). `-n 2 --dist
+# loadfile` hands out whole files, and xdist by default hands out first the files with the most tests:
+# the pipeline files, with few tests of minutes each, then started last and ran alone while the other
+# worker idled (test_dvc_experiments.py's 292 s began with about 40 s of other work left: 1,070 s in all
+# on a 185 GFLOP/s machine). Handed out longest first, the short files fill in at the end. A file
+# missing here only runs later; test_dvc_repro.py leads because it builds the project the
+# experiments file then uses.
+LONGEST_FIRST = (
+    "tests/pipeline/test_dvc_repro.py",
+    "tests/interop/test_real_model.py",
+    "tests/pipeline/test_dvc_experiments.py",
+    "tests/post/test_grpo.py",
+    "tests/post/test_distill.py",
+    "tests/test_cluster.py",
+    "tests/train/test_pretrain_stage.py",
+    "tests/infra/test_distributed.py",
+    "tests/interop/test_hf.py",
+    "tests/infer/test_serve.py",
+    "tests/post/test_sft.py",
+    "tests/model/test_attention_kernels.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # xdist's controller: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
+
+
 MICRO = {
     "data": {
         "num_documents": 400,

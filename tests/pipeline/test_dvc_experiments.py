@@ -1,7 +1,8 @@
 """`dvc exp` on a micro copy of the project: an experiment run and compared, a bad one, a queue.
 
 Apart from tests/pipeline/test_dvc_repro.py (the same built project, made once a run) so that the
-two modules' long items run on both xdist workers; its name sorts it late, after the build.
+two modules' long items run on both xdist workers; conftest's LONGEST_FIRST hands it out after that
+file, which builds the project, and the interop one, by when the build is done.
 """
 
 import json
