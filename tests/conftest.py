@@ -76,6 +76,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    stale = [path for path in LONGEST_FIRST if not (ROOT / path).is_file()]
+    if stale:  # a renamed file would silently lose its place, and the suite its time
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST: no file {stale[0]}; rename or drop the entry")
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
 
