@@ -36,8 +36,8 @@ FILE_CHARS = 100_000_000  # text per corpus file
 
 ENCODE_ONLY = """
 import sys, time
-from stagelm.rawdata import iter_column
-from stagelm.tokenizer import load_tokenizer
+from stagelm.data.rawdata import iter_column
+from stagelm.data.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[2])
 encode = getattr(tok, sys.argv[3])
 t0, tokens = time.perf_counter(), 0

@@ -10,10 +10,10 @@ a difference is in standard errors of the difference. A queued or running experi
 finished is left out.
 """
 
+import argparse
 import json
 import math
 import subprocess
-import sys
 
 from stagelm.measure.report import best_view
 
@@ -48,10 +48,12 @@ def best(e: dict) -> dict:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    rev = args[args.index("--rev") + 1] if "--rev" in args else None
-    names = [a for a in args if a not in ("--rev", rev)] or ["workspace"]
-    found = runs(names, rev)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", default=["workspace"], help="experiment names (default: the workspace)")
+    parser.add_argument("--rev", help="the commit the experiments started from (default: HEAD)")
+    args = parser.parse_args()
+    names = args.names
+    found = runs(names, args.rev)
     ev = {
         n: {m: found[n][f"runs/eval/{m}/metrics.json"] for m in ("sft", "grpo", "distill", "distill_control")}
         for n in names
