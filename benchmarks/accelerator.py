@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from stagelm.infra.devices import hbm_bandwidth, peak_flops  # noqa: E402
 from stagelm.measure.microbench import bench_decode, bench_train, matmul_flops  # noqa: E402
-from stagelm.model import attention_kernels  # noqa: E402
-from stagelm.model.attention_kernels import splash_attention  # noqa: E402
+from stagelm.model.attention_kernels import splash_attention, tuning_defaults  # noqa: E402
 from stagelm.model.decoder import DecoderConfig, attention, flops_per_token, row_causal_mask  # noqa: E402
 from stagelm.model.footprint import dtype_bytes, param_count, train_step_bytes, training_state_bytes  # noqa: E402
 
@@ -53,9 +52,9 @@ RUNS = [  # the presets' shapes and the published ones, each at its fastest meas
 DECODE = ("smollm2-135m", (1, 8, 64), 128, 128)  # shape, batches, prompt and new tokens
 
 
-def splash_check(t: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int = 128) -> dict:
-    """The compiled splash kernel against the reference on this device: packed rows with padding,
-    grouped heads, float32 inputs at the highest matmul precision; the largest differences."""
+def splash_check(tuning: dict, t: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int = 128) -> dict:
+    """The compiled splash kernel (set by `tuning`) against the reference on this device: packed rows
+    with padding, grouped heads, float32 inputs at the highest matmul precision; the largest differences."""
     seg = np.ones((2, t), np.int32)
     seg[0, t // 3 :], seg[0, t - 50 :] = 2, 0
     pos = np.stack([np.concatenate([np.arange(t // 3), np.arange(t - t // 3)]), np.arange(t)])
@@ -64,16 +63,17 @@ def splash_check(t: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int
     k, v = (jax.random.normal(key, (2, t, kv_heads, head_dim)) for key in keys[1:3])
     w = jax.random.normal(keys[3], q.shape)
     mask = row_causal_mask(jnp.asarray(seg), jnp.asarray(pos))
+    settings = tuple(tuning.items())
 
     def ref(q, k, v):
         return jnp.sum(attention(q, k, v, mask, causal=True) * w)
 
     def fast(q, k, v):
-        return jnp.sum(splash_attention(q, k, v, jnp.asarray(seg)) * w)
+        return jnp.sum(splash_attention(q, k, v, jnp.asarray(seg), settings) * w)
 
     with jax.default_matmul_precision("highest"):
         out_ref = jax.jit(lambda *a: attention(a[0], a[1], a[2], mask, causal=True))(q, k, v)
-        out = jax.jit(lambda *a: splash_attention(*a, jnp.asarray(seg)))(q, k, v)
+        out = jax.jit(lambda *a: splash_attention(*a, jnp.asarray(seg), settings))(q, k, v)
         g_ref = jax.jit(jax.grad(ref, (0, 1, 2)))(q, k, v)
         g = jax.jit(jax.grad(fast, (0, 1, 2)))(q, k, v)
     return {
@@ -88,10 +88,25 @@ def splash_check(t: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int
 
 
 def train_entry(
-    name: str, seq_len: int, batch: int, accum: int, remat: str, scan: bool, steps: int, profile: bool = False
+    name: str,
+    seq_len: int,
+    batch: int,
+    accum: int,
+    remat: str,
+    scan: bool,
+    steps: int,
+    tuning: dict,
+    profile: bool = False,
 ) -> dict:
     shape = SHAPES[name]
-    cfg = DecoderConfig(**shape, dtype="bfloat16", param_dtype="float32", remat=remat, scan_layers=scan)
+    cfg = DecoderConfig(
+        **shape,
+        dtype="bfloat16",
+        param_dtype="float32",
+        remat=remat,
+        scan_layers=scan,
+        splash_tuning=tuple(tuning.items()),
+    )
     entry = {
         "name": name,
         "device_kind": jax.devices()[0].device_kind,
@@ -104,7 +119,7 @@ def train_entry(
         "remat": remat,
         "scan_layers": scan,
         "attention": "auto",
-        "splash": attention_kernels.tuning_defaults(cfg.head_dim) | attention_kernels.TUNING,  # what the kernel ran
+        "splash": tuning_defaults(cfg.head_dim) | tuning,  # what the kernel ran
         "dtype": cfg.dtype,
         "params": param_count(**shape),
     }
@@ -188,7 +203,7 @@ def main() -> None:
         nargs="*",
         default=[""],
         metavar="KEY:VALUE,...",
-        help="splash kernel settings to run each train entry with (attention_kernels.TUNING), e.g. fused_bwd:1",
+        help="splash kernel settings to run each train entry with (DecoderConfig.splash_tuning), e.g. fused_bwd:1",
     )
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; later entries are left out")
     args = parser.parse_args()
@@ -206,9 +221,7 @@ def main() -> None:
         "left_out": [],
     }
     for tuning in args.splash if jax.default_backend() == "tpu" else ():
-        attention_kernels.TUNING.clear()
-        attention_kernels.TUNING.update(parse_tuning(tuning))
-        result["splash_check"].append({"splash": tuning, **splash_check()})
+        result["splash_check"].append({"splash": tuning, **splash_check(parse_tuning(tuning))})
     for name, seq_len, batch, accum, remat, scan in RUNS:
         if args.only and name not in args.only or args.unscanned and scan:
             continue
@@ -217,13 +230,12 @@ def main() -> None:
                 left = dict(name=name, seq_len=seq_len, batch=batch, accumulation=accum, remat=remat, splash=tuning)
                 result["left_out"].append(left)
                 continue
-            attention_kernels.TUNING.clear()
-            attention_kernels.TUNING.update(parse_tuning(tuning))
-            entry = train_entry(name, seq_len, batch, accum, remat, scan, args.steps, args.profile)
+            entry = train_entry(
+                name, seq_len, batch, accum, remat, scan, args.steps, parse_tuning(tuning), args.profile
+            )
             print(json.dumps(entry), flush=True)
             result["train"].append(entry)
             args.out.write_text(json.dumps(result, indent=1) + "\n")
-    attention_kernels.TUNING.clear()
     name, batches, prompt, new = DECODE
     if not args.no_decode and (not args.only or name in args.only):
         result["decode"] = decode_entries(name, batches, prompt, new)

@@ -35,8 +35,7 @@ def packed_rows():
         (4, 2, 32, {"fused_bwd": 0, "k_layout": "HEAD_DIM_MINOR"}),  # the two-pass backward
     ],
 )
-def test_splash_equals_the_reference_with_its_gradients(heads, kv_heads, head_dim, tuning, monkeypatch):
-    monkeypatch.setattr(attention_kernels, "TUNING", tuning)
+def test_splash_equals_the_reference_with_its_gradients(heads, kv_heads, head_dim, tuning):
     seg, pos = packed_rows()
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (2, T, heads, head_dim))
@@ -48,7 +47,7 @@ def test_splash_equals_the_reference_with_its_gradients(heads, kv_heads, head_di
         return jnp.sum(attention(q, k, v, mask, causal=True) * weight)
 
     def splash(q, k, v):
-        return jnp.sum(splash_attention(q, k, v, seg) * weight)
+        return jnp.sum(splash_attention(q, k, v, seg, tuple(tuning.items())) * weight)
 
     np.testing.assert_allclose(splash(q, k, v), reference(q, k, v), rtol=1e-5)
     want, got = jax.grad(reference, (0, 1, 2))(q, k, v), jax.grad(splash, (0, 1, 2))(q, k, v)
@@ -104,13 +103,28 @@ def test_a_decoder_setting_changes_speed_or_memory_not_the_math(change):
     assert_same(reference, loss_and_grads(dataclasses.replace(CFG, **change)), atol=1e-6)
 
 
+def test_the_decoder_hands_its_splash_tuning_to_the_kernel(monkeypatch):
+    asked = []
+
+    def kernel(*args):
+        asked.append(args[-1])
+        return built(*args)
+
+    built = attention_kernels.splash_kernel
+    monkeypatch.setattr(attention_kernels, "splash_kernel", kernel)
+    cfg = dataclasses.replace(CFG, attention="splash", splash_tuning=(("k_layout", "HEAD_DIM_MINOR"), ("fused_bwd", 0)))
+    model, (seg, pos) = Decoder(cfg, nnx.Rngs(0)), packed_rows()
+    jax.eval_shape(lambda: model(seg, seg, pos))  # traced, not compiled
+    assert asked and set(asked) == {(("fused_bwd", 0), ("k_layout", "HEAD_DIM_MINOR"))}
+
+
 def test_splash_sharded_over_the_batch_equals_one_device():
     cfg = dataclasses.replace(CFG, attention="splash")
     one = loss_and_grads(cfg)
     assert_same(one, loss_and_grads(cfg, make_mesh(2, 1, 1, jax.devices()[:2])), atol=1e-6)
 
 
-def test_the_kernel_choice():
+def test_the_kernel_choice(monkeypatch):
     assert kernel_for("auto", 2048, "tpu") == "splash"
     assert kernel_for("auto", 1000, "tpu") == "reference"  # rows splash cannot tile
     assert kernel_for("auto", 2048, "cpu") == "reference"
@@ -118,6 +132,11 @@ def test_the_kernel_choice():
     require_kernel("auto", 100)
     with pytest.raises(StagelmError, match=r"^model.attention: splash is a TPU kernel and this process runs on cpu;"):
         require_kernel("splash", 256)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.raises(
+        StagelmError, match=r"blocks of 128 tokens and these rows have 100; use a multiple of 128 \(pack"
+    ):
+        require_kernel("splash", 100)  # the row length is pack.seq_len's
 
 
 def test_a_model_trained_with_device_settings_loads_anywhere_with_its_own_math(tmp_path):
@@ -127,12 +146,14 @@ def test_a_model_trained_with_device_settings_loads_anywhere_with_its_own_math(t
 
     from stagelm.model.modeldir import load_model, model_config_json, save_model
 
-    trained = Decoder(dataclasses.replace(CFG, attention="splash", scan_layers=True), nnx.Rngs(4))
+    trained = Decoder(
+        dataclasses.replace(CFG, attention="splash", scan_layers=True, splash_tuning=(("fused_bwd", 0),)), nnx.Rngs(4)
+    )
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(CFG.vocab_size)}, "t0"))
     save_model(tmp_path / "model", trained, tokenizer, {"context_len": T})
-    assert not {"attention", "scan_layers"} & set(model_config_json(tmp_path / "model"))
+    assert not {"attention", "splash_tuning", "scan_layers"} & set(model_config_json(tmp_path / "model"))
     loaded = load_model(tmp_path / "model")
-    assert (loaded.cfg.attention, loaded.cfg.scan_layers) == ("auto", False)
+    assert (loaded.cfg.attention, loaded.cfg.splash_tuning, loaded.cfg.scan_layers) == ("auto", (), False)
     seg, pos = packed_rows()
     tokens = jax.random.randint(jax.random.key(5), seg.shape, 0, CFG.vocab_size)
     np.testing.assert_allclose(nnx.jit(loaded)(tokens, seg, pos), nnx.jit(trained)(tokens, seg, pos), atol=1e-5)

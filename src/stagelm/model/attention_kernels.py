@@ -14,6 +14,7 @@ blocks to skip.
 """
 
 import functools
+from typing import Any
 
 import jax
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -22,7 +23,6 @@ from jax.sharding import PartitionSpec
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.mesh import RULES
 
-KERNELS = ("auto", "reference", "splash")
 BLOCK = 128  # the TPU's lane width: splash's blocks are multiples of it
 MAX_BLOCK = 512  # the block size MaxText's splash defaults use for long rows
 
@@ -46,7 +46,7 @@ def require_kernel(choice: str, seq_len: int, key: str = "model.attention") -> N
     if choice == "splash" and seq_len % BLOCK:
         raise StagelmError(
             f"{key}: splash tiles rows in blocks of {BLOCK} tokens and these rows have {seq_len}; "
-            f"use a multiple of {BLOCK} (data.seq_len) or set {key}: auto"
+            f"use a multiple of {BLOCK} (pack.seq_len) or set {key}: auto"
         )
 
 
@@ -55,10 +55,11 @@ def block_size(seq_len: int) -> int:
     return next((b for b in (MAX_BLOCK, 256, BLOCK) if seq_len % b == 0), seq_len)
 
 
-# How the kernel tiles rows and runs its backward pass, beyond `block_size` and `tuning_defaults`:
-# splash.BlockSizes' fields by name (`fused_bwd` for use_fused_bwd_kernel; layouts by
-# QKVLayout's names). benchmarks/accelerator.py --splash measures alternatives on a chip.
-TUNING: dict = {}
+# A tuning: how the kernel tiles rows and runs its backward pass beyond `block_size` and
+# `tuning_defaults`, as (name, value) pairs: splash.BlockSizes' fields by name (`fused_bwd` for
+# use_fused_bwd_kernel; layouts by QKVLayout's names). `DecoderConfig.splash_tuning` carries one to
+# the decoder; benchmarks/accelerator.py --splash measures alternatives on a chip.
+Tuning = tuple[tuple[str, Any], ...]
 
 
 def tuning_defaults(head_dim: int) -> dict:
@@ -69,7 +70,7 @@ def tuning_defaults(head_dim: int) -> dict:
 
 
 @functools.cache
-def splash_kernel(seq_len: int, n_heads: int, head_dim: int, interpret: bool, tuning: tuple = ()):
+def splash_kernel(seq_len: int, n_heads: int, head_dim: int, interpret: bool, tuning: Tuning = ()):
     """A causal splash kernel over one row: q (H, T, Dh), k and v (K, T, Dh), SegmentIds of (T,)."""
     b = block_size(seq_len)
     options = tuning_defaults(head_dim) | dict(tuning)
@@ -92,14 +93,18 @@ def splash_kernel(seq_len: int, n_heads: int, head_dim: int, interpret: bool, tu
         )
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, tuning: Tuning = ()
+) -> jax.Array:
     """Causal attention within segments. q: (B, T, H, Dh); k, v: (B, T, K, Dh); segment_ids:
-    (B, T) → (B, T, H, Dh), as `decoder.attention(q, k, v, row_causal_mask(...), causal=True)`.
-    Under a mesh each device runs the kernel on its own rows (`shard_map` over the batch axes)."""
+    (B, T) → (B, T, H, Dh), as `decoder.attention(q, k, v, row_causal_mask(...), causal=True)`,
+    the kernel set by `tuning` over `tuning_defaults`. Under a mesh each device runs the kernel on
+    its own rows (`shard_map` over the batch axes)."""
+    tuning = tuple(sorted(dict(tuning).items()))  # one cached kernel whatever the order given
 
     def rows(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
         _, t, h, dh = q.shape
-        kernel = splash_kernel(t, h, dh, jax.default_backend() != "tpu", tuple(sorted(TUNING.items())))
+        kernel = splash_kernel(t, h, dh, jax.default_backend() != "tpu", tuning)
         heads_first = (0, 2, 1, 3)
         out = jax.vmap(kernel)(
             (q * dh**-0.5).transpose(heads_first),

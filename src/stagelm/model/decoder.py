@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stagelm.infra.mesh import constrain
-from stagelm.model.attention_kernels import kernel_for, splash_attention
+from stagelm.model.attention_kernels import Tuning, kernel_for, splash_attention
 from stagelm.pipeline.config import ModelShape
 
 
@@ -44,6 +44,7 @@ class DecoderConfig(ModelShape):
     param_dtype: str = "float32"
     remat: str = "none"  # none | block | dots: what each block keeps for the backward pass (REMAT_POLICIES)
     attention: str = "auto"  # auto | reference | splash: the training pass's kernel (attention_kernels)
+    splash_tuning: Tuning = ()  # the splash kernel's settings over its defaults (attention_kernels.Tuning)
     scan_layers: bool = False  # run the blocks as one jax.lax.scan (compile time independent of depth)
     init_std: float = 0.02
     # LoRA adapters (Hu et al., 2021) on the projections named in lora_targets; rank 0 = none.
@@ -55,14 +56,6 @@ class DecoderConfig(ModelShape):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DecoderConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in d.items() if k in names}
-        if "lora_targets" in values:
-            values["lora_targets"] = tuple(values["lora_targets"])
-        return cls(**values)
 
     def without_lora(self) -> "DecoderConfig":
         return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_dropout=0.0, lora_targets=())
@@ -270,8 +263,10 @@ class Attention(nnx.Module):
         """Self-attention over the rows: `mask` is the reference kernel's (`row_causal_mask`), or
         the rows' `Segments` for the splash kernel."""
         q, k, v = self.project_qkv(x, rot, rng)
-        splash = isinstance(mask, Segments)
-        y = splash_attention(q, k, v, mask.ids) if splash else attention(q, k, v, mask, causal=True)
+        if isinstance(mask, Segments):
+            y = splash_attention(q, k, v, mask.ids, self.cfg.splash_tuning)
+        else:
+            y = attention(q, k, v, mask, causal=True)
         return self.o(constrain(y, ("batch", "seq", "heads", "head_dim")), rng)
 
     def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):

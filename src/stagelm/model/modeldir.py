@@ -92,7 +92,7 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
 
 # How one device runs the model, never part of it: a model trained with splash attention on a TPU
 # loads on a CPU (its `auto` takes the reference kernel there).
-DEVICE_SETTINGS = ("attention", "scan_layers")
+DEVICE_SETTINGS = ("attention", "splash_tuning", "scan_layers")
 
 
 def save_model(
