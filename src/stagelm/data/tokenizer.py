@@ -5,10 +5,10 @@ so numbers are spelled digit by digit (small models learn arithmetic far better
 that way). Byte-level BPE means every unicode string round-trips exactly.
 
 Special tokens take the first ids of a trained tokenizer, in this order: pad 0, bos 1,
-eos 2, then the chat roles and the end-of-turn marker. A tokenizer adopted from a
-transformers checkpoint (`model.init_from`) keeps its own ids and gets whichever of
-these it lacks appended as added special tokens; code looks them up by name. The chat
-template is::
+eos 2, then the chat roles and the end-of-turn marker; code looks them up by name. A
+checkpoint's own tokenizer (`model.init_from`) is written unchanged, its ids and specials its
+own, with a chat.json beside it naming its chat template and end-of-turn tokens
+(stagelm.data.chatformat). stagelm's own chat template is::
 
     <|user|>{user text}<|end|><|assistant|>{assistant text}<|end|>
 
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from stagelm.infra.errors import StagelmError
 
@@ -151,15 +151,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 )
     tok.encode_special_tokens = True
     return tok
-
-
-def adopt_tokenizer(path: str | Path) -> tuple[Tokenizer, list[str]]:
-    """(a checkpoint's tokenizer.json with stagelm's specials it lacks appended, the tokens appended)."""
-    tok = read_tokenizer_file(path, "model.init_from needs the checkpoint's fast tokenizer (tokenizer.json)")
-    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-    tok.encode_special_tokens = True
-    return tok, missing
 
 
 def special_id(tok: Tokenizer, token: str) -> int:
