@@ -35,7 +35,7 @@ from stagelm.tasks import step_credit
 from stagelm.tasks.arithmetic import arithmetic_task, working
 from stagelm.train.loop import train
 from stagelm.train.run import TrainRun
-from stagelm.train.step import init_state, lm_loss, make_optimizer, make_train_step, next_token_targets
+from stagelm.train.step import init_state, lm_loss, lr_schedule, make_optimizer, make_train_step, next_token_targets
 
 CFG = DecoderConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
 
@@ -574,6 +574,8 @@ def test_a_one_prompt_bandit_learns_the_rewarded_answer(micro_data, tmp_path, ob
     assert after > 0.95, (before, after)
     rewards = [r["rollout/reward"] for r in result.history if "rollout/reward" in r]
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]), rewards  # other tokens sampled at T=1 still miss
+    logged = {r["step"]: r["train/lr"] for r in result.history if "train/lr" in r}
+    assert logged and logged == {s: float(lr_schedule(grpo)(s - 1)) for s in logged}  # the optimizer's own rate
 
 
 def test_dynamic_sampling_fills_the_update_with_groups_that_differ(micro_data, policy):

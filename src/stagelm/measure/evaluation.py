@@ -24,7 +24,7 @@ from stagelm.infer.generate import BUCKET, Generator, Sampling
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
 from stagelm.model.footprint import generation_bytes
-from stagelm.pipeline.config import EvalConfig
+from stagelm.pipeline.config import EvalConfig, temperature_key
 from stagelm.tasks import check_answer
 from stagelm.train.batches import sum_over_split
 from stagelm.train.step import lm_loss, next_token_targets
@@ -215,7 +215,7 @@ def sampled_metrics(gen: Generator, tasks: list[dict], cfg: EvalConfig) -> dict[
         for t in cfg.temperatures:
             same = sampled and t == cfg.sample_temperature and len(chosen) == len(tasks)  # the same answers
             records = sampled if same else answer_tasks(gen, chosen, "chat", cfg.task_batch_size, cfg.max_new_tokens, t)
-            by_temperature[str(float(t))] = {"temperature": t, **family_accuracy(records)}
+            by_temperature[temperature_key(t)] = {"temperature": t, **family_accuracy(records)}
         out["chat_temperatures"] = by_temperature
         out["chat_best_temperature"] = best_temperature(by_temperature)
     if cfg.pass_k:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stagelm.infra.files import read_json
+from stagelm.pipeline.config import temperature_key
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -239,7 +240,7 @@ def best_view(e: dict) -> tuple[float, dict] | None:
     if not temps:
         return None
     t = float(e["chat_best_temperature"])
-    return t, temps[str(t)]
+    return t, temps[temperature_key(t)]
 
 
 def at_best_temperatures(before: dict, after: dict, names: tuple[str, str], families: list[str]) -> str:

@@ -136,7 +136,7 @@ class PackConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """A decoder's sizes: the one home of these keys, shared by `model`, `distill.student`
-    and `benchmark` (model.DecoderConfig adds the vocabulary and the rest at run time)."""
+    and `benchmark` (model.decoder.DecoderConfig adds the vocabulary and the rest at run time)."""
 
     d_model: int = param("residual width", POSITIVE)
     n_layers: int = param("decoder blocks", POSITIVE)
@@ -277,6 +277,12 @@ class LaunchConfig:
             raise StagelmError(f"{prefix}.command: {err} in {self.command!r}; fix the quoting") from None
 
 
+def temperature_key(temperature: float) -> str:
+    """The key of one of `eval.temperatures` in an eval's `chat_temperatures` (metrics.json), which
+    the eval writes and the report reads: `1` and `1.0` are both "1.0"."""
+    return str(float(temperature))
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """What the eval stage measures on each model: val loss, and answers to the held-out prompts."""
@@ -327,7 +333,7 @@ class SampleConfig:
                 raise StagelmError(f"{prefix}.{key}: expected a non-empty list of non-empty strings")
 
 
-# The decoder's projections (model.Projection), by name: LoRA targets them, the HF mapping
+# The decoder's projections (model.decoder.Projection), by name: LoRA targets them, the HF mapping
 # and the merge walk them. Attention: q, kv, o; MLP: gate_up, down.
 PROJECTIONS = ("q", "kv", "o", "gate_up", "down")
 
@@ -391,7 +397,7 @@ class DistillConfig(TrainingConfig):
     data: str = param(
         "what the student trains on: the packed corpus, the SFT conversations, or both", one_of("corpus", "sft", "both")
     )
-    # teacher: distill.student_from_teacher
+    # teacher: post.student.student_from_teacher
     init: str = param(
         "scratch: random weights (seed); teacher: the teacher pruned to the student's shape",
         one_of("scratch", "teacher"),

@@ -81,6 +81,7 @@ class Placed:
     frozen: Any
     step_fn: Any  # (state, frozen, batch) -> (state, metrics), the state donated
     eval_fn: Any  # (params, frozen, batch) -> (loss sum, tokens)
+    schedule: Any  # step index -> learning rate: the optimizer's own, which the log reads
 
 
 def place(
@@ -90,11 +91,12 @@ def place(
     build the optimizer state and the jitted train and eval steps."""
     mesh = run.mesh
     graphdef, params, frozen, p_sh = shard_state(model, trainable, mesh)
-    tx = make_optimizer(cfg, params)
+    schedule = lr_schedule(cfg)
+    tx = make_optimizer(cfg, params, schedule)
     st_sh = state_shardings(tx, params, p_sh, mesh)
     state = jax.jit(lambda p: init_state(p, tx, jax.random.key(run.seed)), out_shardings=st_sh)(params)
     step_fn = make_train_step(graphdef, tx, loss_fn, out_shardings=(st_sh, replicated(mesh)))
-    return Placed(graphdef, state, frozen, step_fn, make_eval_step(graphdef, eval_loss_fn))
+    return Placed(graphdef, state, frozen, step_fn, make_eval_step(graphdef, eval_loss_fn), schedule)
 
 
 def resume(ckpt: Checkpoints, run: TrainRun, state: TrainState, data: BatchSource, timer: StepTimer):
@@ -189,7 +191,6 @@ def step_loop(
     timer: StepTimer,
 ) -> None:
     """Steps from the state's step to `cfg.steps`: train, log a step late, evaluate and checkpoint."""
-    schedule = lr_schedule(cfg)
     start = int(placed.state.step)
     pending: tuple[int, dict, dict] | None = None
     host_before = False
@@ -202,7 +203,7 @@ def step_loop(
                 f"training: loss is {loss} at step {step}; last good checkpoint: "
                 f"{'step ' + str(kept) if kept is not None else 'none'} in {ckpt.directory}; lower {cfg.section}.lr"
             )
-        log.add(step_row(step, metrics, host, float(schedule(step - 1)), timer.rate()))
+        log.add(step_row(step, metrics, host, float(placed.schedule(step - 1)), timer.rate()))
 
     for step in range(start + 1, cfg.steps + 1):
         local, host = data.next(placed.state.params, placed.frozen)

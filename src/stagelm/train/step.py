@@ -86,19 +86,21 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: OptimizerConfig, params: Any) -> optax.GradientTransformation:
-    """AdamW on the section's schedule, after global-norm clipping; or, where the section asks for
+def make_optimizer(
+    cfg: OptimizerConfig, params: Any, schedule: optax.Schedule | None = None
+) -> optax.GradientTransformation:
+    """AdamW on the section's schedule (`schedule`, by default `lr_schedule(cfg)`: a caller that logs
+    the rate passes the one it reads), after global-norm clipping; or, where the section asks for
     `optimizer: sgd` (grpo), SGD with momentum beta1 and the same decoupled weight decay."""
     mask = decay_mask(params, cfg.decay_embeddings)
+    schedule = lr_schedule(cfg) if schedule is None else schedule
     if getattr(cfg, "optimizer", "adamw") == "sgd":
         opt = optax.chain(
             optax.add_decayed_weights(cfg.weight_decay, mask),
-            optax.sgd(lr_schedule(cfg), momentum=cfg.beta1 or None),
+            optax.sgd(schedule, momentum=cfg.beta1 or None),
         )
     else:
-        opt = optax.adamw(
-            lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
-        )
+        opt = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if cfg.grad_clip > 0 else opt
 
 
