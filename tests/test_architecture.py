@@ -1,4 +1,7 @@
-"""The layers of src/stagelm/ as docs/architecture.md draws them: who may import whom, and the size rules."""
+"""The layers of src/stagelm/ as docs/architecture.md draws them: who may import whom, and the size rules.
+
+Imports are read as `stagelm deps` reads them (`pipeline.deps.import_lines`): one reader of the
+code, so what these rules see is what dvc.yaml's deps list."""
 
 import ast
 import re
@@ -6,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+
+from stagelm.pipeline.deps import import_lines
 
 SRC = ROOT / "src/stagelm"
 
@@ -23,14 +28,13 @@ def package_of(path: Path) -> str:
 
 def imported(path: Path) -> list[tuple[int, str]]:
     """(line, dotted module) of every stagelm import in a file, function bodies included."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stagelm"):
-            names = [f"stagelm.{a.name}" for a in node.names] if node.module == "stagelm" else [node.module]
-            found += [(node.lineno, n) for n in names]
-        elif isinstance(node, ast.Import):
-            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("stagelm")]
-    return found
+    return import_lines(path, SRC.parent)
+
+
+def module_name(path: Path) -> str:
+    """`src/stagelm/model/decoder.py` → stagelm.model.decoder; a package's `__init__.py` → the package."""
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def package_graph() -> dict[str, set[str]]:
@@ -41,6 +45,33 @@ def package_graph() -> dict[str, set[str]]:
             if target != package_of(path):
                 graph.setdefault(package_of(path), set()).add(target)
     return graph
+
+
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of `package` (its `__init__` included) → the modules of the same package it imports."""
+    name = module_name(package / "__init__.py")
+    return {
+        module_name(path): {m for _, m in imported(path) if name in (m, m.rsplit(".", 1)[0]) and m != module_name(path)}
+        for path in package.glob("*.py")
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as its trail (first node repeated at the end), or None."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        if state.get(node) == "open":
+            return [*trail[trail.index(node) :], node]
+        if state.get(node) is None:
+            state[node] = "open"
+            for nxt in sorted(graph.get(node, ())):
+                if cycle := visit(nxt, [*trail, node]):
+                    return cycle
+            state[node] = "done"
+        return None
+
+    return next((cycle for node in sorted(graph) if (cycle := visit(node, []))), None)
 
 
 def test_the_table_names_every_package_once():
@@ -66,19 +97,35 @@ def test_every_import_points_down_the_layers():
 
 
 def test_no_cycle_between_packages():
-    graph, state = package_graph(), {}
+    cycle = find_cycle(package_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
-    def visit(node: str, trail: list[str]) -> None:
-        if state.get(node) == "open":
-            raise AssertionError(f"import cycle: {' -> '.join([*trail, node])}")
-        if state.get(node) is None:
-            state[node] = "open"
-            for nxt in sorted(graph.get(node, ())):
-                visit(nxt, [*trail, node])
-            state[node] = "done"
 
-    for node in sorted(graph):
-        visit(node, [])
+@pytest.mark.parametrize("package", sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()))
+def test_no_cycle_between_the_modules_of_a_package(package):
+    cycle = find_cycle(module_graph(SRC / package))
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_layers_the_page_keeps_apart_import_neither_each_other():
+    """The page's prose: "`post` and `measure` import neither each other" (the table's order alone
+    lets the higher, measure, import post)."""
+    pairs = re.findall(r"`(\w+)` and `(\w+)` import neither each other", (ROOT / "docs/architecture.md").read_text())
+    assert ("post", "measure") in pairs
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} ({package_of(path)}) imports {module}"
+        for pair in pairs
+        for here, there in (pair, pair[::-1])
+        for path in (SRC / here).rglob("*.py")
+        for line, module in imported(path)
+        if module.split(".")[1] == there
+    ]
+    assert not wrong, "imports the page forbids:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("folder", ["src", "stages", "tests", "benchmarks"])

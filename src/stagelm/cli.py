@@ -78,6 +78,7 @@ def check(args: argparse.Namespace) -> None:
 def print_estimates(sections: dict) -> None:
     """An ok or warning line for each stage's memory (and the synthetic corpus's disk) against this machine."""
     from stagelm.data.download import synthetic_corpus_bytes
+    from stagelm.data.footprint import data_stage_estimates
     from stagelm.infra.memory import HEADROOM, gib, host_available
     from stagelm.model.footprint import stage_estimates
 
@@ -91,7 +92,7 @@ def print_estimates(sections: dict) -> None:
 
         checkpoint = checkpoint_config(checkpoint_source(sections["model"].init_from))[0]
     have = host_available()
-    for what, need in stage_estimates(sections, checkpoint).items():
+    for what, need in {**data_stage_estimates(sections), **stage_estimates(sections, checkpoint)}.items():
         fits = have is None or need + HEADROOM <= have
         print(f"{'ok' if fits else 'warning'}: {what}: about {gib(need)}" + (f" of {gib(have)}" if have else ""))
 

@@ -143,6 +143,8 @@ def test_stagelm_check_cli(tmp_path, micro_data):
     )
     assert "sections" in ok.stdout and "shards match" in ok.stdout and "files match" in ok.stdout
     assert "ok: eval (generation): about " in ok.stdout  # the estimates it can make, against this machine
+    assert "ok: pack (a shard's buffers): about " in ok.stdout  # and the data stages' (stagelm.data.footprint)
+    assert "ok: download (the synthetic corpus, generated in memory): about " in ok.stdout
     write_params(params, micro_params(model={"n_layers": 1_000_000}))
     huge = run(
         [sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],

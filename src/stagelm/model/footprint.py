@@ -13,8 +13,6 @@ against XLA's own for the compiled programs.
 from types import SimpleNamespace
 from typing import Any
 
-from stagelm.data.download import synthetic_corpus_bytes
-from stagelm.data.pack import pack_buffer_bytes
 from stagelm.model.attention_kernels import kernel_for
 
 
@@ -119,8 +117,9 @@ def benchmark_bytes(cfg: Any) -> dict[str, int]:
 
 
 def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[str, int]:
-    """The memory each stage will ask for, by arithmetic on params.yaml's sections (the vocabulary
-    at its cap, a generous prompt width): what `stagelm check` holds against this machine. With
+    """The memory each model stage will ask for, by arithmetic on params.yaml's sections (the
+    vocabulary at its cap, a generous prompt width): what `stagelm check` holds against this machine,
+    beside the data stages' (`stagelm.data.footprint.data_stage_estimates`). With
     `model.init_from`, `checkpoint` is its DecoderConfig: its sizes and vocabulary, not the model
     section's, with the section's run settings (dtype, remat, attention)."""
     model, vocab, seq = sections["model"], sections["tokenizer"].vocab_size, sections["pack"].seq_len
@@ -135,16 +134,11 @@ def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[st
     timed = SimpleNamespace(**bench.shape(), vocab_size=bench.vocab_size, dtype=bench.dtype)
     prompt = 64  # a generous prompt width for the task families' prompts
     rollout = grpo.prompts_per_step * grpo.group_size // grpo.grad_accum
-    estimates = {
+    return {
         "model (parameters, gradients, Adam's moments)": training_state_bytes(n, model.param_dtype),
         "pretrain (a train step's activations)": train_step_bytes(shape, sections["training"].batch_size, seq),
-        "pack (a shard's buffers)": pack_buffer_bytes(sections["pack"].rows_per_shard, seq + 1),
         "eval (generation)": generation_bytes(shape, ev.task_batch_size, prompt, ev.max_new_tokens),
         "grpo (sampling a rollout)": generation_bytes(shape, rollout, prompt, grpo.max_new_tokens),
         **{f"benchmark ({key})": need for key, need in benchmark_bytes(bench).items()},
         "benchmark (a train step's activations)": train_step_bytes(timed, bench.batch_size, bench.seq_len),
     }
-    if sections["data"].source == "synthetic":
-        memory, _ = synthetic_corpus_bytes(sections["data"])
-        estimates["download (the synthetic corpus, generated in memory)"] = memory
-    return estimates

@@ -19,19 +19,27 @@ from stagelm.infra.errors import StagelmError
 from stagelm.pipeline.config import EXECUTION_KEYS, EXECUTION_SECTIONS, SECTIONS, section_keys
 
 
-def stagelm_imports(path: Path, src: Path) -> set[str]:
-    """Dotted names of the stagelm modules `path` imports (`from pkg import module` names the module too)."""
-    found = set()
+def import_lines(path: Path, src: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every stagelm module `path` imports, function bodies included
+    (`from pkg import module` names the module too); tests/test_architecture.py reads the layers
+    with it."""
+    found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stagelm"):
             if node.module == "stagelm":
-                found |= {f"stagelm.{a.name}" for a in node.names}
+                found += [(node.lineno, f"stagelm.{a.name}") for a in node.names]
             else:
-                found.add(node.module)
-                found |= {f"{node.module}.{a.name}" for a in node.names if module_file(f"{node.module}.{a.name}", src)}
+                found.append((node.lineno, node.module))
+                submodules = (f"{node.module}.{a.name}" for a in node.names)
+                found += [(node.lineno, name) for name in submodules if module_file(name, src)]
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("stagelm.")}
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("stagelm.")]
     return found
+
+
+def stagelm_imports(path: Path, src: Path) -> set[str]:
+    """Dotted names of the stagelm modules `path` imports (`from pkg import module` names the module too)."""
+    return {name for _, name in import_lines(path, src)}
 
 
 def module_file(module: str, src: Path) -> Path | None:

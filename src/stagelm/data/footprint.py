@@ -1,0 +1,22 @@
+"""What the data stages cost in memory, by arithmetic on params.yaml's sections: the download's
+synthetic corpus, generated whole in memory, and pack's shard buffers. `stagelm check` holds
+these, beside the model stages' (`stagelm.model.footprint.stage_estimates`), against this
+machine; the stages themselves check the same figures before they start
+(`download.require_synthetic_room`, `pack_splits`).
+"""
+
+from typing import Any
+
+from stagelm.data.download import synthetic_corpus_bytes
+from stagelm.data.pack import pack_buffer_bytes
+
+
+def data_stage_estimates(sections: dict[str, Any]) -> dict[str, int]:
+    """The memory each data stage will ask for, by what it is spent on."""
+    pack = sections["pack"]
+    estimates = {}
+    if sections["data"].source == "synthetic":
+        memory, _ = synthetic_corpus_bytes(sections["data"])
+        estimates["download (the synthetic corpus, generated in memory)"] = memory
+    estimates["pack (a shard's buffers)"] = pack_buffer_bytes(pack.rows_per_shard, pack.seq_len + 1)
+    return estimates
