@@ -47,14 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"  # as above, for the processes a test starts
 BIN = Path(sys.executable).parent
 
-# The files that take longest, longest first (`pytest --durations=0`, summed by file). `-n 2 --dist
-# loadfile` hands out whole files, and xdist by default hands out first the files with the most tests:
-# the pipeline files, with few tests of minutes each, then started last and ran alone while the other
-# worker idled (test_dvc_experiments.py's 292 s began with about 40 s of other work left: 1,070 s in all
-# on a 185 GFLOP/s machine). Handed out longest first, the short files fill in at the end. A file
-# missing here only runs later; test_dvc_repro.py leads because it builds the project the
-# experiments file then uses.
-LONGEST_FIRST = (
+# The slowest test files, slowest first: their tests' seconds summed by file (`pytest --durations=0`),
+# not their length. `-n 2 --dist loadfile` hands out whole files, and xdist by default hands out first
+# the files with the most tests: the pipeline files, with few tests of minutes each, then started last
+# and ran alone while the other worker idled (test_dvc_experiments.py's 292 s began with about 40 s of
+# other work left: 1,070 s in all on a 185 GFLOP/s machine). Handed out slowest first, the quick files
+# fill in at the end. A file missing here only runs later; test_dvc_repro.py leads because it builds
+# the project the experiments file then uses.
+SLOWEST_FIRST = (
     "tests/pipeline/test_dvc_repro.py",
     "tests/interop/test_real_model.py",
     "tests/pipeline/test_dvc_experiments.py",
@@ -76,10 +76,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    stale = [path for path in LONGEST_FIRST if not (ROOT / path).is_file()]
+    stale = [path for path in SLOWEST_FIRST if not (ROOT / path).is_file()]
     if stale:  # a renamed file would silently lose its place, and the suite its time
-        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST: no file {stale[0]}; rename or drop the entry")
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+        raise pytest.UsageError(f"tests/conftest.py SLOWEST_FIRST: no file {stale[0]}; rename or drop the entry")
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
 
 

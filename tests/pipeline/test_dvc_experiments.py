@@ -1,7 +1,7 @@
 """`dvc exp` on a micro copy of the project: an experiment run and compared, a bad one, a queue.
 
 Apart from tests/pipeline/test_dvc_repro.py (the same built project, made once a run) so that the
-two modules' long items run on both xdist workers; conftest's LONGEST_FIRST hands it out after that
+two modules' long items run on both xdist workers; conftest's SLOWEST_FIRST hands it out after that
 file, which builds the project, and the interop one, by when the build is done.
 """
 
