@@ -5,13 +5,15 @@ check, not a subprocess starting.
 """
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, micro_params, run, run_in_process, tree_bytes, write_params
+from conftest import ROOT, env_with_venv, micro_params, run, run_in_process, tree_bytes, write_params
 from flax import nnx
 from tokenizers import Tokenizer
 
@@ -211,6 +213,9 @@ IMPORTS = [  # (config.json changes, or a file's bytes, → the words of the err
     ({"intermediate_size": None}, "intermediate_size missing; a Llama checkpoint needs it"),
     ({"num_hidden_layers": 200000}, "num_hidden_layers = 200000; expected an integer in [1, 1,024]"),
     ({"rms_norm_eps": "small"}, "rms_norm_eps = 'small'; expected a positive number"),
+    ({"rms_norm_eps": 1e300}, "rms_norm_eps = 1e+300; expected a positive number of at most 0.1"),
+    ({"rope_theta": 1e300}, "rope_theta = 1e+300; expected a positive number of at most 1e+12"),
+    ({"config.json": b"[" * 100_000 + b"]" * 100_000}, "config.json: JSON nested too deeply to read"),
     ({"config.json": b"{not json"}, "config.json: not valid JSON"),
     ({"model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"}, "not a readable safetensors file"),
     ({"tokenizer.json": b'{"version": "1.0", "model": 3}'}, "tokenizer.json: not a valid tokenizer.json"),
@@ -666,6 +671,22 @@ GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
     ({"tokenizer.ggml.eos_token_id": (10**6, "UINT32")}, {}, "tokenizer.ggml.eos_token_id 1000000 is not a token id"),
     ({"llama.vocab_size": (8, "UINT32")}, {}, "tokenizer.ggml.tokens holds 300 tokens but llama.vocab_size is 8"),
     ({}, {"blk.0.attn_q.weight": np.zeros((15, 16), np.float32)}, "has shape (15, 16), but llama.attention.head_count"),
+    (
+        {"tokenizer.ggml.token_type": (["normal"] * 300, "ARRAY", "STRING")},
+        {},
+        "tokenizer.ggml.token_type holds 'normal', not one of llama.cpp's token types 0 to 6",
+    ),
+    ({"tokenizer.ggml.token_type": ([99] * 300, "ARRAY", "INT32")}, {}, "tokenizer.ggml.token_type holds '99', not"),
+    ({"tokenizer.chat_template": (5, "UINT32")}, {}, "tokenizer.chat_template is '5'; expected a Jinja string"),
+    ({"tokenizer.ggml.add_bos_token": ("yes", "STRING")}, {}, "add_bos_token = 'yes'; expected true or false"),
+    ({"tokenizer.ggml.pre": (["smollm"], "ARRAY", "STRING")}, {}, "tokenizer.ggml.pre ['smollm'] is not a pre-"),
+    ({"tokenizer.ggml.merges": (5, "UINT32")}, {}, "tokenizer.ggml.merges is '5', not a list"),
+    ({"tokenizer.ggml.eos_token_id": (True, "BOOL")}, {}, "tokenizer.ggml.eos_token_id True is not a token id"),
+    (
+        {"llama.attention.layer_norm_rms_epsilon": (1e30, "FLOAT32")},
+        {},
+        "llama.attention.layer_norm_rms_epsilon = 1.0000000150474662e+30; expected a positive number of at most 0.1",
+    ),
 ]
 
 
@@ -697,6 +718,14 @@ CHAT_FILES = [  # (file, contents, words of the error)
         "tokenizer_config.json",
         {"chat_template": "{{ 10**(10**8) }}"},
         "tokenizer_config.json: the chat template raises",
+    ),
+    ("tokenizer_config.json", {"add_bos_token": "yes"}, "add_bos_token = 'yes'; expected true or false"),
+    ("tokenizer_config.json", {"eos_token": 42}, "tokenizer_config.json: eos_token = 42; expected the token's text"),
+    ("tokenizer_config.json", {"pad_token": ["<|pad|>"]}, "pad_token = ['<|pad|>']; expected the token's text"),
+    (  # no template: the tokens are checked all the same (a load would refuse them)
+        "tokenizer_config.json",
+        {"chat_template": None, "eos_token": "<nope>"},
+        "eos_token '<nope>' is not a token of its tokenizer.json",
     ),
 ]
 
@@ -761,3 +790,197 @@ def test_a_checkpoint_is_sized_by_its_config_before_a_weight_is_read(capsys, mic
     assert err.startswith("error: model.init_from: inputs/llama: 8,030,261,248 parameters with their gradients"), err
     assert "start from a smaller checkpoint" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs", "params.yaml"]
+
+
+# --- import and export never replace what they did not write ---------------------------------------
+
+
+def test_import_hf_never_replaces_a_model_trained_here(monkeypatch, capsys, model_dir, tmp_path):
+    """A model directory a stage wrote holds the same file names as an import: only one whose
+    config.json says `imported_from` is a previous import, which an import may replace."""
+    hf = tmp_path / "hf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(hf)])
+    cli.main()
+    before = tree_bytes(tmp_path)
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(model_dir))
+    assert err == (
+        f"error: {model_dir}: holds a stagelm model that was trained, not imported (its config.json has no "
+        "imported_from); give import-hf a new or empty folder\n"
+    )
+    assert tree_bytes(tmp_path) == before
+
+
+def test_export_gguf_never_writes_into_the_model_it_exports(monkeypatch, capsys, model_dir, tmp_path):
+    before = tree_bytes(tmp_path)
+    for target, force in (("params.safetensors", True), ("tokenizer.json", True), ("x.gguf", False)):
+        out = model_dir / target
+        err = stagelm(monkeypatch, capsys, "export-gguf", str(model_dir), str(out), *(["--force"] if force else []))
+        assert err == f"error: {out}: is inside the model being exported; give export-gguf a path outside {model_dir}\n"
+    (tmp_path / "link").symlink_to(model_dir)  # the same folder by another name
+    err = stagelm(monkeypatch, capsys, "export-gguf", str(model_dir), str(tmp_path / "link/x.gguf"))
+    assert "is inside the model being exported" in err
+    (tmp_path / "link").unlink()
+    assert tree_bytes(tmp_path) == before
+
+
+def test_temporary_names_beside_a_target_are_never_a_users(monkeypatch, capsys, model_dir, tmp_path):
+    """Export and import write beside their target and rename: under names no one else's file
+    has, so a user's `.hf.export-old` or `.m.gguf.tmp` survives them."""
+    mine = [".hf.export-tmp/a", ".hf.export-old/a", ".imported.import-tmp/a", ".imported.old/a", ".m.gguf.tmp"]
+    for name in mine:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("a user's file")
+    for argv in (
+        ["export-hf", str(model_dir), str(tmp_path / "hf")],
+        ["export-hf", str(model_dir), str(tmp_path / "hf")],
+        ["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")],
+        ["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")],
+        ["export-gguf", str(model_dir), str(tmp_path / "m.gguf")],
+    ):
+        monkeypatch.setattr(sys, "argv", ["stagelm", *argv])
+        cli.main()
+    assert all((tmp_path / name).read_text() == "a user's file" for name in mine)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(
+        {name.split("/")[0] for name in mine}
+    )  # and nothing of the commands' own is left
+    assert oct((tmp_path / "hf").stat().st_mode & 0o777) == oct((tmp_path / "model").stat().st_mode & 0o777)
+
+
+# --- import-hf reads regular files only, each up to a size --------------------------------------
+
+
+def exported_hf(monkeypatch, model_dir: Path, hf: Path) -> Path:
+    """A transformers folder (export-hf of the tiny model) with every file import-hf reads."""
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(hf)])
+    cli.main()
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    return hf
+
+
+UNREADABLE = [  # (file, what it is)
+    ("config.json", "/dev/zero"),
+    ("config.json", "fifo"),
+    ("tokenizer.json", "fifo"),
+    ("tokenizer_config.json", "/dev/zero"),
+    ("generation_config.json", "fifo"),
+    ("chat_template.jinja", "/dev/zero"),
+    ("model.safetensors", "fifo"),
+    ("model.safetensors.index.json", "/dev/zero"),
+]
+
+
+def test_import_hf_reads_no_device_and_no_pipe(monkeypatch, capsys, model_dir, tmp_path):
+    """A link to /dev/zero would be read until the kernel kills the process, a FIFO would block it
+    forever, and one where an optional file goes was taken for no file: each is refused in one
+    line, exit 2, by `stagelm import-hf` processes that end."""
+    good = exported_hf(monkeypatch, model_dir, tmp_path / "good")
+    procs = {}
+    try:
+        for i, (name, kind) in enumerate(UNREADABLE):
+            hf = tmp_path / f"hf{i}"
+            shutil.copytree(good, hf)
+            (hf / name).unlink(missing_ok=True)
+            if kind == "fifo":
+                os.mkfifo(hf / name)
+            else:
+                (hf / name).symlink_to(kind)
+            # Under a 4 GiB address space: a regression fails with a line about memory, not the machine's.
+            cmd = ["prlimit", f"--as={4 << 30}", "stagelm", "import-hf", str(hf), str(tmp_path / f"out{i}")]
+            procs[hf / name] = subprocess.Popen(
+                cmd, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        for path, proc in procs.items():
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"error: {path}: a device, pipe or socket, not a regular file; "), err
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    assert not list(tmp_path.glob("out*")) and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(("name", "size"), [("config.json", 64 << 20), ("tokenizer.json", 256 << 20)])
+def test_import_hf_reads_a_metadata_file_up_to_its_size(monkeypatch, capsys, model_dir, tmp_path, name, size):
+    hf = exported_hf(monkeypatch, model_dir, tmp_path / "hf")
+    with open(hf / name, "r+b") as f:  # sparse: no disk spent
+        f.truncate(size + 1)
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+    assert err.startswith(f"error: {hf / name}: {size + 1:,} bytes, more than the {size:,} such a file may hold; ")
+    assert not (tmp_path / "out").exists()
+
+
+# --- import-hf: weights it cannot read, and sharded checkpoints --------------------------------------
+
+
+def retyped(file: Path, name: str, dtype: str) -> None:
+    """Rewrite safetensors `file` with tensor `name`'s bytes declared as `dtype` (one byte an element)."""
+    data = file.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    start, end = header[name]["data_offsets"]
+    header[name].update(dtype=dtype, shape=[end - start])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
+
+
+def test_import_hf_names_a_dtype_it_cannot_read(monkeypatch, capsys, model_dir, tmp_path):
+    hf = exported_hf(monkeypatch, model_dir, tmp_path / "hf")
+    retyped(hf / "model.safetensors", "model.norm.weight", "F8_E4M3")
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+    assert err == (
+        f"error: {hf / 'model.safetensors'}: tensor model.norm.weight is F8_E4M3, a dtype stagelm does not import; "
+        "give the checkpoint in float32, float16 or bfloat16\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_hf_reads_the_shards_its_index_names(monkeypatch, capsys, model_dir, tmp_path):
+    """model.safetensors.index.json says which file holds each tensor: a shard it names that is
+    missing, or a tensor not where it says, is refused; an index that agrees imports."""
+    from safetensors.numpy import load_file
+
+    hf = exported_hf(monkeypatch, model_dir, tmp_path / "hf")
+    names = sorted(load_file(str(hf / "model.safetensors")))
+    index = hf / "model.safetensors.index.json"
+    cases = [
+        ({n: "model-00001-of-00002.safetensors" for n in names}, "names model-00001-of-00002.safetensors, which is"),
+        ({**dict.fromkeys(names, "model.safetensors"), "extra.weight": "model.safetensors"}, "lacks ['extra.weight']"),
+        ({n: "model.safetensors" for n in names[1:]}, f"holds, besides what it names, ['{names[0]}']"),
+        ({names[0]: "../model.safetensors"}, "not a .safetensors beside it"),
+    ]
+    for weight_map, words in cases:
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+        assert err.startswith(f"error: {index}: ") and words in err, err
+        assert not (tmp_path / "out").exists()
+    index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}))
+    monkeypatch.setattr(sys, "argv", ["stagelm", "import-hf", str(hf), str(tmp_path / "out")])
+    cli.main()
+    assert (tmp_path / "out/params.safetensors").is_file()
+
+
+# --- import-gguf: tensor data where llama.cpp's loader expects it --------------------------------------
+
+
+def test_import_gguf_refuses_a_tensor_offset_out_of_place(monkeypatch, capsys, model_dir, tmp_path):
+    """A tensor's offset moved by 4 bytes would read its weights shifted (and overlapping the next):
+    llama.cpp refuses such a file, and so does the import."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(path)])
+    cli.main()
+    reader = gguf.GGUFReader(str(path), "r+")
+    first = reader.tensors[0]
+    first.field.parts[-1][0] += 4  # the offset in its tensor info, written through the memory map
+    reader.data.flush()
+    del reader
+    err = stagelm(monkeypatch, capsys, "import-gguf", str(path), str(tmp_path / "out"))
+    assert err == (
+        f"error: {path}: tensor {first.name} starts at data offset 4, but the tensors before it end at 0; "
+        "the file is damaged\n"
+    )
+    assert not (tmp_path / "out").exists()

@@ -236,11 +236,10 @@ def add_export_hf(sub: argparse._SubParsersAction) -> None:
 
 def add_export_gguf(sub: argparse._SubParsersAction) -> None:
     def export_gguf(args: argparse.Namespace) -> None:
-        from stagelm.interop.gguf_export import export_gguf
+        from stagelm.interop.gguf_export import check_gguf_target, export_gguf
         from stagelm.pipeline.dvcfile import refuse_dvc_output
 
-        if args.out_file.is_dir():
-            raise StagelmError(f"{args.out_file}: a folder; give export-gguf the path of the .gguf file to write")
+        check_gguf_target(args.model_dir, args.out_file)  # a folder, or inside the model: refused, --force or not
         if args.out_file.exists() and not args.force:
             raise StagelmError(f"{args.out_file}: exists; give another path, or --force to replace it")
         refuse_dvc_output(args.out_file, "export-gguf")

@@ -56,7 +56,9 @@ def with_end_of_turn(spec: dict[str, Any], tok: Any, where: Path) -> dict[str, A
     """`spec` with its template's end-of-turn token among the stop tokens: the first special token
     the template writes after an assistant message's text. `where` is the file the template came from."""
     if spec["template"] is None:
-        return {**spec, "stop_tokens": list(dict.fromkeys([spec["eos_token"], *spec["stop_tokens"]]))}
+        spec = {**spec, "stop_tokens": list(dict.fromkeys([spec["eos_token"], *spec["stop_tokens"]]))}
+        ChatFormat(tok, spec, source=str(where))  # every token it names is one of `tok`'s, as a load checks
+        return spec
 
     stops = [t for t in spec["stop_tokens"] if tok.token_to_id(t) is not None]
     chat = ChatFormat(tok, {**spec, "stop_tokens": stops}, source=str(where))

@@ -17,9 +17,12 @@ from tokenizers import Tokenizer
 
 from stagelm.data.tokenizer import read_tokenizer_file
 from stagelm.infra.errors import StagelmError
+from stagelm.infra.files import regular_file_size
 from stagelm.interop.gguf_import import gguf_chat_spec, gguf_config, gguf_tokenizer, import_gguf, open_gguf
 from stagelm.interop.hf_import import hf_chat_spec, import_config, import_hf
 from stagelm.model.decoder import Decoder, DecoderConfig
+
+MAX_TOKENIZER_BYTES = 256 << 20  # a tokenizer.json past it is no tokenizer (the largest released are ~35 MB)
 
 
 @dataclasses.dataclass
@@ -86,8 +89,7 @@ def read_gguf(source: Path, weights: bool, vocab_size: int | None, **settings: A
 def read_hf_folder(source: Path, weights: bool, vocab_size: int | None, **settings: Any) -> Checkpoint:
     import_config(source)  # the config, then the tokenizer, the weights and the chat spec: each checked before use
     tokenizer = source / "tokenizer.json"
-    if not tokenizer.is_file():
-        raise StagelmError(f"{tokenizer}: missing; the checkpoint needs a fast tokenizer's tokenizer.json")
+    regular_file_size(tokenizer, MAX_TOKENIZER_BYTES, "the checkpoint needs a fast tokenizer's tokenizer.json")
     tok = read_tokenizer_file(tokenizer, "the checkpoint needs a fast tokenizer's tokenizer.json")
     model, context = import_hf(source, vocab_size, **settings) if weights else (None, None)
     spec = hf_chat_spec(source, tok)

@@ -9,6 +9,7 @@ format). Written to a temporary file and renamed: a failed write leaves nothing 
 """
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
     if dtype not in DTYPES:
         raise StagelmError(f"--dtype: {dtype!r}; expected one of {', '.join(DTYPES)}")
     model_dir, out = Path(model_dir), Path(out)
+    check_gguf_target(model_dir, out)
     model = load_model(model_dir)
     if model.cfg.lora_rank:
         raise StagelmError(f"{model_dir}: holds unmerged LoRA adapters; export the merged model (runs/sft/model)")
@@ -119,6 +121,15 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
             f"kept float16: {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}; norms float32"
         )
     return write_atomically(writer, out)
+
+
+def check_gguf_target(model_dir: Path, out: Path) -> None:
+    """Refuse a GGUF path that is a folder or lies inside the model being exported (it would write
+    over the model's own files, or beside them where its hashes do not cover), as export-hf refuses it."""
+    if out.is_dir():
+        raise StagelmError(f"{out}: a folder; give export-gguf the path of the .gguf file to write")
+    if out.parent.resolve().is_relative_to(model_dir.resolve()):
+        raise StagelmError(f"{out}: is inside the model being exported; give export-gguf a path outside {model_dir}")
 
 
 # llama.cpp's file types (LLAMA_FTYPE_*): what model.gguf says its matrices mostly are.
@@ -173,7 +184,9 @@ def write_atomically(writer: Any, out: Path) -> Path:
     """The GGUF `writer` holds, written to a temporary file beside `out` and renamed over it, with
     the mode a new file gets: a failed write leaves `out` as it was."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_name(f".{out.name}.tmp")
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")  # no one else's name
+    os.close(fd)
+    part = Path(name)
     try:
         with naming(out):
             writer.write_header_to_file(path=part)

@@ -23,11 +23,13 @@ from stagelm.interop.gguf_layout import (
     PRE_TOKENIZERS,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
+    TOKEN_TYPES,
     TOKEN_USER_DEFINED,
     WHOLE_NAMES,
     unpermute,
 )
 from stagelm.interop.llama_state import (
+    FLOAT_LIMITS,
     LIMITS,
     check_llama_tensors,
     config_float,
@@ -43,9 +45,29 @@ def open_gguf(path: Path) -> Any:
     if not path.is_file():
         raise StagelmError(f"{path}: no such GGUF file; give the path of a .gguf model")
     try:
-        return gguf.GGUFReader(str(path))
+        reader = gguf.GGUFReader(str(path))
     except Exception as err:  # its parser raises ValueError, struct errors and more on a damaged file
         raise StagelmError(f"{path}: not a readable GGUF file ({str(err)[:100]})") from None
+    check_tensor_layout(reader, path)
+    return reader
+
+
+def check_tensor_layout(reader: Any, path: Path) -> None:
+    """Refuse tensor data that does not lie where llama.cpp's loader expects it: each tensor at the
+    offset where the one before it ends, padded to general.alignment (a moved offset would read every
+    weight shifted), all of it inside the file."""
+    expected = end = 0
+    for t in reader.tensors:
+        offset = int(t.data_offset) - int(reader.data_offset)
+        if offset != expected:
+            raise StagelmError(
+                f"{path}: tensor {t.name} starts at data offset {offset:,}, but the tensors before it end at "
+                f"{expected:,}; the file is damaged"
+            )
+        end = offset + int(t.n_bytes)
+        expected = -(-end // reader.alignment) * reader.alignment
+    if int(reader.data_offset) + end > len(reader.data):
+        raise StagelmError(f"{path}: the tensors run past the end of the file; it is truncated")
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:
@@ -63,8 +85,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
     def size(key: str, limit: str, default: Any = None) -> int:  # the HF field whose limit applies
         return config_int(field(reader, f"llama.{key}", default), f"llama.{key}", path, LIMITS[limit])
 
-    def number(key: str, default: Any = None) -> float:
-        return config_float(field(reader, f"llama.{key}", default), f"llama.{key}", path)
+    def number(key: str, limit: str, default: Any = None) -> float:  # the HF field whose limit applies
+        return config_float(field(reader, f"llama.{key}", default), f"llama.{key}", path, FLOAT_LIMITS[limit])
 
     d, heads = size("embedding_length", "hidden_size"), size("attention.head_count", "num_attention_heads")
     kv = size("attention.head_count_kv", "num_key_value_heads", heads)
@@ -84,8 +106,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
         n_heads=heads,
         n_kv_heads=kv,
         d_ff=size("feed_forward_length", "intermediate_size"),
-        rope_theta=number("rope.freq_base", 10000.0),  # llama.cpp's own default when absent
-        norm_eps=number("attention.layer_norm_rms_epsilon"),
+        rope_theta=number("rope.freq_base", "rope_theta", 10000.0),  # llama.cpp's own default when absent
+        norm_eps=number("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
     return cfg, size("context_length", "max_position_embeddings")
@@ -158,7 +180,7 @@ def gguf_tokenizer(reader: Any, path: Path) -> Any:
             "(import the model's transformers folder, with its tokenizer.json, instead)"
         )
     pre = field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
         raise StagelmError(
             f"{path}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer stagelm rebuilds ({sorted(PRE_TOKENIZERS)}); "
             "import the model's transformers folder instead"
@@ -198,8 +220,17 @@ def gguf_vocabulary(reader: Any, path: Path) -> tuple[list[str], list[int], list
             f"{path}: tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no list of'} "
             f"entries for {len(tokens)} tokens; the file is damaged"
         )
+    wrong = next((t for t in types if not isinstance(t, numbers.Integral) or t not in TOKEN_TYPES), None)
+    if wrong is not None or any(isinstance(t, bool) for t in types):
+        raise StagelmError(
+            f"{path}: tokenizer.ggml.token_type holds {str(wrong)[:40]!r}, not one of llama.cpp's token types "
+            f"{TOKEN_TYPES.start} to {TOKEN_TYPES.stop - 1}; the file is damaged"
+        )
+    found = field(reader, "tokenizer.ggml.merges", [])
+    if not isinstance(found, list):
+        raise StagelmError(f"{path}: tokenizer.ggml.merges is {str(found)[:40]!r}, not a list; the file is damaged")
     vocab, merges = set(tokens), []
-    for m in field(reader, "tokenizer.ggml.merges") or []:
+    for m in found:
         pair = tuple(m.split(" ", 1)) if isinstance(m, str) else ()
         if len(pair) != 2 or not set(pair) <= vocab:
             raise StagelmError(
@@ -217,7 +248,7 @@ def gguf_chat_spec(reader: Any, tok: Any, path: Path) -> dict[str, Any]:
         index = field(reader, f"tokenizer.ggml.{key}")
         if index is None:
             return None
-        if not isinstance(index, numbers.Integral) or not 0 <= index < tok.get_vocab_size():
+        if not isinstance(index, numbers.Integral) or isinstance(index, bool) or not 0 <= index < tok.get_vocab_size():
             raise StagelmError(
                 f"{path}: tokenizer.ggml.{key} {str(index)[:40]} is not a token id (0 to {tok.get_vocab_size() - 1})"
             )
@@ -226,16 +257,22 @@ def gguf_chat_spec(reader: Any, tok: Any, path: Path) -> dict[str, Any]:
     eos = spelled("eos_token_id")
     if eos is None:
         raise StagelmError(f"{path}: tokenizer.ggml.eos_token_id missing; stagelm needs the token that ends a text")
+    template = field(reader, "tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise StagelmError(f"{path}: tokenizer.chat_template is {str(template)[:40]!r}; expected a Jinja string")
+    add_bos = field(reader, "tokenizer.ggml.add_bos_token", False)
+    if not isinstance(add_bos, bool):
+        raise StagelmError(f"{path}: tokenizer.ggml.add_bos_token = {str(add_bos)[:40]!r}; expected true or false")
     return chat_spec(
         tok,
         path,
-        template=field(reader, "tokenizer.chat_template"),
+        template=template,
         eos=eos,
         bos=spelled("bos_token_id"),
         pad=spelled("padding_token_id"),
         unk=spelled("unknown_token_id"),
         stops=[eos, spelled("eot_token_id"), spelled("eom_token_id")],
-        add_bos=field(reader, "tokenizer.ggml.add_bos_token", False),
+        add_bos=add_bos,
     )
 
 

@@ -37,6 +37,7 @@ PRE_TOKENIZERS = {
     **dict.fromkeys(("gpt2", "default", "mpt", "olmo", "jais"), "gpt2"),
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+TOKEN_TYPES = range(0, 7)  # llama.cpp's: undefined, normal, unknown, control, user-defined, unused, byte
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:

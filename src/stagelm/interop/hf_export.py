@@ -15,7 +15,7 @@ from typing import Any
 from stagelm.data.chatformat import load_chat_format
 from stagelm.data.tokenizer import ASSISTANT, BOS, END, EOS, PAD, USER, load_tokenizer
 from stagelm.infra.errors import StagelmError
-from stagelm.infra.files import atomic_write_bytes, copy_file, write_json
+from stagelm.infra.files import atomic_write_bytes, copy_file, folder_beside, replace_folder, write_json
 from stagelm.interop.chat_spec import CHAT_TEMPLATE
 from stagelm.interop.llama_state import llama_tensors
 from stagelm.model.decoder import DecoderConfig
@@ -93,10 +93,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, sampling: dict[str, fl
     chat = load_chat_format(load_tokenizer(model_dir / "tokenizer.json"), model_dir)
     context = read_model_context(model_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = (out_dir.with_name(f".{out_dir.name}.{what}") for what in ("export-tmp", "export-old"))
-    for stale in (tmp, old):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
+    tmp = folder_beside(out_dir, "export")
     try:
         # Through the atomic writer, as every other file: the mode a new file gets (0o666 less the
         # umask; safetensors' own writer leaves 0o600), and a failed write names the file.
@@ -109,10 +106,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, sampling: dict[str, fl
         write_json(tmp / "generation_config.json", generation)
         copy_file(model_dir / "tokenizer.json", tmp / "tokenizer.json")
         write_json(tmp / "tokenizer_config.json", tokenizer_config(context, chat))
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_folder(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -6,15 +6,24 @@ another activation) with one line naming the field. Both major layouts of config
 import: transformers 4's top-level `rope_theta` and transformers 5's `rope_parameters`.
 """
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stagelm.infra.errors import StagelmError
-from stagelm.infra.files import read_json_object
+from stagelm.infra.files import MAX_JSON_BYTES, read_json_object, read_regular_file, regular_file_size
 from stagelm.interop.chat_spec import chat_spec
-from stagelm.interop.llama_state import LIMITS, config_float, config_int, decoder_from_llama_tensors
+from stagelm.interop.llama_state import (
+    FLOAT_LIMITS,
+    LIMITS,
+    config_float,
+    config_int,
+    decoder_from_llama_tensors,
+    shown,
+)
 from stagelm.model.decoder import Decoder, DecoderConfig
 
 # config.json fields stagelm's decoder has one value of: a checkpoint that says otherwise is refused.
@@ -33,7 +42,8 @@ def hf_int(c: dict[str, Any], field: str, path: Path, default: int | None = None
 
 
 def hf_float(c: dict[str, Any], field: str, path: Path, default: float | None = None) -> float:
-    return config_float(c.get(field, default), field, path)
+    limit = FLOAT_LIMITS[field.rpartition(".")[2]]  # rope_parameters.rope_theta: rope_theta's
+    return config_float(c.get(field, default), field, path, limit)
 
 
 def hf_bool(c: dict[str, Any], field: str, path: Path, default: bool) -> bool:
@@ -111,20 +121,78 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
     return cfg, hf_int(c, "max_position_embeddings", path, default=2048)
 
 
+# Tensor dtypes safetensors stores that stagelm reads (numpy's; integers are refused by name later):
+# 8-bit floats (F8_E4M3, F8_E5M2) and packed 4- or 6-bit ones are quantizations it does not read.
+READABLE_DTYPES = {"F16", "BF16", "F32", "F64", "I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64", "BOOL"}
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a file's JSON header
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_dtypes(file: Path) -> dict[str, str]:
+    """{tensor name: dtype} from a safetensors file's header, read without its data; one line
+    naming the file when it is not a regular safetensors file."""
+    size = regular_file_size(file, None, "give the checkpoint's own weights")
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= length <= min(MAX_HEADER_BYTES, size - 8):
+            raise StagelmError(f"{file}: not a readable safetensors file (no valid header); give the checkpoint's own")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError):
+            raise StagelmError(f"{file}: not a readable safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise StagelmError(f"{file}: not a readable safetensors file (its header is not a table of tensors)")
+    dtypes = {name: str(info.get("dtype")) for name, info in header.items() if name != "__metadata__"}
+    for name, dtype in dtypes.items():
+        if dtype not in READABLE_DTYPES:
+            raise StagelmError(
+                f"{file}: tensor {name} is {dtype[:20]}, a dtype stagelm does not import; "
+                "give the checkpoint in float32, float16 or bfloat16"
+            )
+    return dtypes
+
+
+def weight_files(hf_dir: Path) -> dict[Path, set[str] | None]:
+    """The safetensors files to read, each with the tensors model.safetensors.index.json puts in it (None
+    without an index: then every *.safetensors file, none of whose tensors may repeat another's)."""
+    index = hf_dir / INDEX_FILE
+    if not os.path.lexists(index):
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
+        return dict.fromkeys(files)
+    weight_map = read_json_object(index, "give the checkpoint's own index, or remove it").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise StagelmError(f"{index}: weight_map is missing or not an object of tensor → file; give the checkpoint's")
+    files: dict[Path, set[str] | None] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise StagelmError(f"{index}: weight_map puts {name} in {str(shard)[:60]!r}, not a .safetensors beside it")
+        files.setdefault(hf_dir / shard, set()).add(name)
+    for file in files:
+        if not os.path.lexists(file):
+            raise StagelmError(f"{index}: names {file.name}, which is missing; download the checkpoint's every shard")
+    return files
+
+
 def read_safetensors(hf_dir: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a transformers checkpoint's safetensors files (never a pickled .bin)."""
+    """Every tensor of a transformers checkpoint's safetensors files (never a pickled .bin): the shards
+    its model.safetensors.index.json names, each holding what the index says, or every file without one."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise StagelmError(f"{hf_dir}: no *.safetensors weights (stagelm never loads pickled .bin files)")
     tensors: dict[str, np.ndarray] = {}
     came_from: dict[str, Path] = {}
-    for file in files:
+    for file, named in weight_files(hf_dir).items():
+        held = set(safetensors_dtypes(file))
+        if named is not None and held != named:
+            stray = sorted(named - held) or sorted(held - named)
+            where = f"{file.name} lacks" if named - held else f"{file.name} holds, besides what it names,"
+            raise StagelmError(f"{hf_dir / INDEX_FILE}: {where} {stray[:2]}; the index and the shards disagree")
         try:
             loaded = load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as err:
+        except (SafetensorError, OSError, ValueError, TypeError, KeyError, AttributeError) as err:
             raise StagelmError(f"{file}: not a readable safetensors file ({str(err)[:80]})") from None
         for name in loaded:
             if name in came_from:
@@ -144,11 +212,18 @@ def import_hf(hf_dir: str | Path, vocab_size: int | None = None, **settings: Any
     return decoder_from_llama_tensors(cfg, read_safetensors(hf_dir), hf_dir, vocab_size, **settings), context
 
 
-def hf_token(value: Any) -> str | None:
-    """A special token's spelling as tokenizer_config.json writes it: a string, or an AddedToken object."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
+def hf_token(value: Any, key: str, where: Path) -> str | None:
+    """A special token's spelling as tokenizer_config.json writes it: a string, an AddedToken object,
+    or null (none); anything else (`eos_token: 42`) is refused, never taken for none."""
+    spelled = value.get("content") if isinstance(value, dict) else value
+    if value is not None and not (isinstance(spelled, str) and spelled):
+        raise StagelmError(f"{where}: {key} = {shown(value)}; expected the token's text (or an AddedToken object)")
+    return spelled
+
+
+def optional_json(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in `path`, {} when there is none; a link to nothing, a pipe or a device is refused."""
+    return read_json_object(path, fix) if os.path.lexists(path) else {}
 
 
 def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
@@ -156,7 +231,7 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
     chat_template.jinja) and generation_config.json and config.json ids; its template is None when
     it has none (a base model: text only). Every token named must be in `tok`, its own tokenizer."""
     config_path = hf_dir / "tokenizer_config.json"
-    config = read_json_object(config_path, "the checkpoint's tokenizer_config.json") if config_path.is_file() else {}
+    config = optional_json(config_path, "give the checkpoint's own tokenizer_config.json, or none")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         if not all(isinstance(t, dict) for t in template):
@@ -165,11 +240,15 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
     if template is not None and not isinstance(template, str):
         raise StagelmError(f"{config_path}: chat_template is {type(template).__name__}; expected a Jinja string")
     template_path = config_path
-    if (hf_dir / "chat_template.jinja").is_file():  # transformers 4.43+ saves it apart
+    if os.path.lexists(hf_dir / "chat_template.jinja"):  # transformers 4.43+ saves it apart
         template_path = hf_dir / "chat_template.jinja"
-        template = template_path.read_text()
+        data = read_regular_file(template_path, MAX_JSON_BYTES, "give the checkpoint's own template, or none")
+        try:
+            template = data.decode()
+        except UnicodeDecodeError as err:
+            raise StagelmError(f"{template_path}: not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
     generation = hf_dir / "generation_config.json"
-    gen = read_json_object(generation, "fix or remove it") if generation.is_file() else {}
+    gen = optional_json(generation, "fix or remove it")
     model = read_json_object(hf_dir / "config.json", "a transformers checkpoint's config.json")
 
     def token_ids(key: str) -> list[int]:  # generation_config.json's, else config.json's, checked against tok
@@ -185,7 +264,7 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
         return ids
 
     def spelled(key: str) -> str | None:
-        token = hf_token(config.get(f"{key}_token"))
+        token = hf_token(config.get(f"{key}_token"), f"{key}_token", config_path)
         if token is None:
             ids = token_ids(key)
             token = tok.id_to_token(ids[0]) if ids else None
@@ -204,5 +283,5 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
         pad=spelled("pad"),
         unk=spelled("unk"),
         stops=stops,
-        add_bos=config.get("add_bos_token", False),
+        add_bos=hf_bool(config, "add_bos_token", config_path, False),
     )

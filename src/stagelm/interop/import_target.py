@@ -1,19 +1,21 @@
 """`stagelm import-hf` / `import-gguf`: a checkpoint from elsewhere saved as a stagelm model directory.
 
 The target is refused when it is a file, a DVC-tracked output, or a folder holding anything
-but a previous import (which the import replaces); the saved model keeps the checkpoint's
+but a previous import (which the import replaces; a model trained here is no import, its
+config.json names no `imported_from`); the saved model keeps the checkpoint's
 own tokenizer and chat spec (and its generation_config.json's sampling defaults, which the
 server uses), and loads in generate, serve and eval like any other. It is
 written beside the target and put in its place whole: a failed import (a full disk, a kill)
 leaves the previous import, or no folder, never half of one.
 """
 
+import os
 import shutil
 from pathlib import Path
 
 from stagelm.data.tokenizer import CHAT_FILE
 from stagelm.infra.errors import StagelmError
-from stagelm.infra.files import read_json_object, replace_folder, write_json
+from stagelm.infra.files import folder_beside, read_json_object, replace_folder, write_json
 from stagelm.interop.checkpoint import Checkpoint, read_checkpoint
 from stagelm.model.decoder import count_params
 from stagelm.model.modeldir import GENERATION_FILE, PARAMS_FILE, sampling_defaults, save_model
@@ -29,13 +31,20 @@ def check_import_target(out_dir: Path) -> None:
     if not out_dir.is_dir():
         return
     mine = ("config.json", PARAMS_FILE, "tokenizer.json", CHAT_FILE, GENERATION_FILE)
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in mine)
+    names = sorted(p.name for p in out_dir.iterdir())
+    others = [name for name in names if name not in mine]
     config = out_dir / "config.json"
-    if not others and config.is_file() and "params_sha256" not in read_json_object(config, "move it away"):
-        others = ["config.json"]  # a config.json of someone else's, not a stagelm model's
+    described = read_json_object(config, "move it away") if names and not others and "config.json" in names else {}
+    if names and not others and "params_sha256" not in described:
+        others = ["config.json"] if described else names[:1]  # someone else's file, not a stagelm model's
     if others:
         raise StagelmError(
             f"{out_dir}: holds {others[:3]}, not only a previous import; give import-hf a new or empty folder"
+        )
+    if names and "imported_from" not in described:  # a model trained here: its weights are no import's to replace
+        raise StagelmError(
+            f"{out_dir}: holds a stagelm model that was trained, not imported (its config.json has no "
+            "imported_from); give import-hf a new or empty folder"
         )
 
 
@@ -44,14 +53,12 @@ def import_into(source: Path, out_dir: Path) -> Checkpoint:
     with its own tokenizer and chat spec; a target holding anything else is refused first."""
     check_import_target(out_dir)
     generation = source / GENERATION_FILE  # a transformers folder's sampling defaults, checked before the weights
-    sampling = (
-        sampling_defaults(read_json_object(generation, "fix or remove it"), generation) if generation.is_file() else {}
-    )
+    exists = source.is_dir() and os.path.lexists(generation)  # a link to nothing, a pipe or a device: refused
+    sampling = sampling_defaults(read_json_object(generation, "fix or remove it"), generation) if exists else {}
     found = read_checkpoint(source)
     extra = {"params_count": count_params(found.model), "context_len": found.context, "imported_from": str(source)}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.with_name(f".{out_dir.name}.import-tmp")  # beside it: the same file system, so renames
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = folder_beside(out_dir, "import")
     try:
         save_model(staging, found.model, found.tokenizer_file or found.tokenizer, extra, chat=found.chat)
         if sampling:

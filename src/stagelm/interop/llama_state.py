@@ -74,12 +74,20 @@ def config_int(value: Any, key: str, where: Path, limit: int) -> int:
     return int(value)
 
 
-def config_float(value: Any, key: str, where: Path) -> float:
-    """A checkpoint's positive finite number (RoPE base, RMSNorm epsilon), or one line naming `key`."""
+# The real numbers import reads, each with the largest value accepted (transformers' names): an RMSNorm
+# epsilon of 1e300 would flatten every activation to zero, silently.
+FLOAT_LIMITS = {"rms_norm_eps": 0.1, "rope_theta": 1e12, "initializer_range": 1.0}
+
+
+def config_float(value: Any, key: str, where: Path, limit: float = float("inf")) -> float:
+    """A checkpoint's positive finite number (RoPE base, RMSNorm epsilon) of at most `limit`, or one
+    line naming `key`."""
     if value is None:
         raise StagelmError(f"{where}: {key} missing; a Llama checkpoint needs it")
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value < float("inf"):
         raise StagelmError(f"{where}: {key} = {shown(value)}; expected a positive number")
+    if value > limit:
+        raise StagelmError(f"{where}: {key} = {shown(value)}; expected a positive number of at most {limit:g}")
     return float(value)
 
 
