@@ -272,10 +272,12 @@ def add_imports(sub: argparse._SubParsersAction) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from stagelm.infer.serve import serve
+    from stagelm.infer.serve import MAX_QUEUE, MAX_SLOTS, serve
 
-    if args.slots < 1 or args.queue < 0:
-        raise StagelmError("--slots: expected at least 1 (and --queue at least 0)")
+    if not 1 <= args.slots <= MAX_SLOTS:
+        raise StagelmError(f"--slots: expected 1 to {MAX_SLOTS} requests decoded together, got {args.slots}")
+    if not 0 <= args.queue <= MAX_QUEUE:
+        raise StagelmError(f"--queue: expected 0 to {MAX_QUEUE} requests waiting for a slot, got {args.queue}")
     if not 0 < args.header_timeout < 3600:
         raise StagelmError(f"--header-timeout: expected seconds in (0, 3600), got {args.header_timeout}")
     if args.name is not None and not args.name.strip():

@@ -335,6 +335,24 @@ def test_only_loopback_names_and_json_posts_reach_the_model(trained):
     assert status == 405 and answer["error"]["type"] == "invalid_request_error"
 
 
+def test_what_http_itself_refuses_is_an_error_object_too(trained):
+    """A head h11 refuses (a negative or 24-digit Content-Length, two Host headers) is answered as
+    every other bad request is: an OpenAI error object with a 400, not uvicorn's plain text."""
+    body = json.dumps({"model": NAME, "prompt": "Once", "max_tokens": 2}).encode()
+    host = f"localhost:{trained.port}"
+    heads = [
+        post_head(trained, -5),
+        post_head(trained, 10**23),
+        post_head(trained, len(body)).replace(b"Host: ", f"Host: {host}\r\nHost: ".encode()),
+    ]
+    for head in heads:
+        status, answer = raw(trained, head, body)
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+        assert answer["error"]["message"].startswith("the request is not valid HTTP/1.1: "), answer
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert raw(trained, post_head(trained, len(body)), body)[0] == 200
+
+
 def test_the_page_cannot_be_broken_out_of_by_a_name():
     from stagelm.infer.serve import inline_json
 
@@ -371,6 +389,13 @@ PARSE = [  # (body, param or None, words): every one a 400 with an error object,
         "not supported",
     ),
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}, "tools", "not supported"),
+    (
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": "yes", "tool_choice": "none"},
+        "tools",
+        'tools: expected a list of tool objects, got "yes"',
+    ),
+    ({"model": NAME, "prompt": "x", "user": 5}, "user", "user: expected str, got 5"),
+    ({"model": NAME, "prompt": "x", "store": "yes"}, "store", 'store: expected bool, got "yes"'),
 ]
 
 
@@ -443,9 +468,18 @@ def test_ports_and_slots_are_checked_before_the_model_loads(long_model, tmp_path
         assert result.returncode == 2 and result.stderr == (
             f"error: --port: expected 0 to 65535 (0 = any free port), got {port}\n"
         )
-    result = serve_flags(long_model, tmp_path, "--port", "0", "--slots", "10000000")
+    bounds = (("--slots", "100000", "1 to 1024 requests decoded together"), ("--queue", "10000000", "0 to 65536"))
+    for flag, value, bound in bounds:
+        result = serve_flags(long_model, tmp_path, "--port", "0", flag, value)
+        assert result.returncode == 2 and result.stderr.startswith(f"error: {flag}: expected {bound}"), result.stderr
+        assert result.stderr.endswith(f", got {value}\n") and result.stderr.count("\n") == 1
+    huge = tmp_path / "huge"  # a context of a million positions: 1,024 slots of it hold 64 GiB of KV cache
+    shutil.copytree(long_model, huge)
+    config = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**config, "context_len": 1 << 20}))
+    result = serve_flags(huge, tmp_path, "--port", "0", "--slots", "1024")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("error: --slots: 10000000 slots × 2048 positions of KV cache needs ")
+    assert result.stderr.startswith("error: --slots: 1024 slots × 1048576 positions of KV cache needs ")
     assert "GiB, but " in result.stderr and "is available; lower it" in result.stderr
 
 
@@ -505,12 +539,9 @@ def test_slow_clients_cannot_lock_out_a_good_one(long_model, tmp_path):
         proc.wait(timeout=30)
 
 
-def test_a_model_from_elsewhere_brings_its_template_under_budget_and_its_sampling_default(long_model, tmp_path):
-    """A chat template is code from elsewhere: one that loops on some content is refused once its
-    time budget is spent (a 400 naming the budget, not the server's files), and while it runs,
-    rendered off the event loop, other requests are answered. The model's generation_config.json
-    (here temperature 0) is the default of a request that gives no temperature."""
-    model = tmp_path / "model"
+def looping_model(long_model: Path, folder: Path) -> Path:
+    """The long model with a chat template that loops (far past its time budget) on the message 'loop'."""
+    model = folder / "model"
     shutil.copytree(long_model, model)
     hang = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
     template = (
@@ -518,6 +549,15 @@ def test_a_model_from_elsewhere_brings_its_template_under_budget_and_its_samplin
         "<|user|>{{ m.content }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     write_chat_spec(model, {"template": template, "eos_token": "<|eos|>", "pad_token": "<|pad|>", "stop_tokens": []})
+    return model
+
+
+def test_a_model_from_elsewhere_brings_its_template_under_budget_and_its_sampling_default(long_model, tmp_path):
+    """A chat template is code from elsewhere: one that loops on some content is refused once its
+    time budget is spent (a 400 naming the budget, not the server's files), and while it runs,
+    rendered off the event loop, other requests are answered. The model's generation_config.json
+    (here temperature 0) is the default of a request that gives no temperature."""
+    model = looping_model(long_model, tmp_path)
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
     server = Server(model, tmp_path / "serve.log")
     try:
@@ -548,5 +588,48 @@ def test_a_model_from_elsewhere_brings_its_template_under_budget_and_its_samplin
         assert status == 400 and seconds < MAX_RENDER_SECONDS + 2, (status, error, seconds)
         assert error["error"]["message"] == f"the chat template took more than {MAX_RENDER_SECONDS:g} s to render"
         assert error["error"]["param"] == "messages"
+    finally:
+        server.stop()
+
+
+def test_templates_that_loop_stall_neither_another_request_nor_shutdown(long_model, tmp_path):
+    """60 requests whose template loops until its budget is spent (within the 16 slots and 64 queued
+    a server takes): an ordinary request sent beside them waits a slice of each, not their budgets;
+    and SIGTERM during 20 such renderings ends them and the server at once."""
+    server = Server(looping_model(long_model, tmp_path), tmp_path / "serve.log")
+    looping = {"model": NAME, "messages": [{"role": "user", "content": "loop"}], "max_tokens": 2}
+    answers: list = []
+
+    def post() -> None:
+        try:
+            answers.append(server.post("/v1/chat/completions", looping))
+        except OSError as err:  # the server stopped under it
+            answers.append(err)
+
+    try:
+        hogs = [threading.Thread(target=post) for _ in range(60)]
+        for hog in hogs:
+            hog.start()
+        time.sleep(0.5)
+        quick = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        status, answer, seconds = server.post("/v1/chat/completions", quick)
+        assert status == 200 and seconds < MAX_RENDER_SECONDS, (status, seconds)
+        for hog in hogs:
+            hog.join()
+        assert len(answers) == 60 and all(a[0] == 400 and "took more than" in a[1]["error"]["message"] for a in answers)
+        answers.clear()
+        hogs = [threading.Thread(target=post) for _ in range(20)]
+        for hog in hogs:
+            hog.start()
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        server.proc.terminate()
+        server.proc.wait(timeout=30)
+        assert time.perf_counter() - t0 < MAX_RENDER_SECONDS / 2, time.perf_counter() - t0
+        for hog in hogs:
+            hog.join()
+        stopped = [a for a in answers if not isinstance(a, OSError)]
+        assert all(a[0] == 503 and "the server is stopping" in a[1]["error"]["message"] for a in stopped), stopped
+        assert "Traceback" not in server.log.read_text()
     finally:
         server.stop()

@@ -30,7 +30,14 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from stagelm.data.template_sandbox import CLOCK, MAX_RENDER_CHARS, MAX_RENDER_SECONDS, ChatRenderError, sandbox
+from stagelm.data.template_sandbox import (
+    CLOCK,
+    MAX_RENDER_CHARS,
+    MAX_RENDER_SECONDS,
+    ChatRenderError,
+    sandbox,
+    taking_turns,
+)
 from stagelm.data.tokenizer import ASSISTANT, BOS, CHAT_FILE, END, EOS, PAD, chat_segments, special_id
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import read_json_object, write_json
@@ -84,16 +91,17 @@ class ChatFormat:
                 "template as `template` there, or use the completion format"
             )
         variables = {k: self.spec.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        CLOCK.deadline = time.monotonic() + MAX_RENDER_SECONDS
         pieces, size = [], 0
         try:
-            for piece in self.compiled.generate(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **variables
-            ):
-                size += len(piece)
-                if size > MAX_RENDER_CHARS:
-                    raise ChatRenderError(f"the chat template's rendering exceeds {MAX_RENDER_CHARS:,} characters")
-                pieces.append(piece)
+            with taking_turns():  # a server's renderings take turns; the budget runs from the first
+                CLOCK.deadline = time.monotonic() + MAX_RENDER_SECONDS
+                for piece in self.compiled.generate(
+                    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **variables
+                ):
+                    size += len(piece)
+                    if size > MAX_RENDER_CHARS:
+                        raise ChatRenderError(f"the chat template's rendering exceeds {MAX_RENDER_CHARS:,} characters")
+                    pieces.append(piece)
         except Exception as err:  # past a budget, raise_exception, or an error inside the template (RecursionError ...)
             reason = str(err) if isinstance(err, ChatRenderError) else f"the chat template refused the messages: {err}"
             reason = reason[:300]

@@ -4,7 +4,8 @@ Jinja environment with `trim_blocks`, `lstrip_blocks`, loop controls, `tojson`,
 
 - time: `MAX_RENDER_SECONDS` per rendering, checked at every loop iteration, call, attribute
   and item against this thread's deadline (`CLOCK`, set by the renderer; per thread, so a
-  server renders off its event loop, several at once);
+  server renders off its event loop, several at once, taking turns (`Turns`) so that
+  templates that loop hold an ordinary rendering up for a slice each, not for their budget);
 - size: `MAX_RENDER_CHARS` of any string or list the template builds (`~`, `+`, `*`,
   `replace`), sized before it is built, and of every filter's and method's result;
 - arithmetic: integers of at most `MAX_INT_BITS`, and `*`, `**`, `+` and `%` are never folded
@@ -13,13 +14,15 @@ Jinja environment with `trim_blocks`, `lstrip_blocks`, loop controls, `tojson`,
   at most 64), and no format field wider than six digits.
 """
 
+import collections
+import contextlib
 import functools
 import json
 import re
 import threading
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -46,12 +49,87 @@ class ChatRenderError(StagelmError):
 
 
 class Clock(threading.local):
-    """This thread's rendering deadline (the renderer sets and clears it)."""
+    """This thread's rendering deadline (the renderer sets and clears it), and the turns it takes with
+    other threads' renderings (a server sets them on the threads that render for it)."""
 
     deadline = float("inf")  # monotonic time past which this thread's rendering stops
+    turns: "Turns | None" = None
+    ticket: threading.Event | None = None  # this thread's place in the turns' line, while it renders
+    slice_end = float("inf")  # when it passes the turn on to the next in line
 
 
 CLOCK = Clock()
+RENDER_SLICE = 0.005  # seconds a rendering runs before it lets the next one waiting run
+
+
+class Turns:
+    """Renderings that take turns, first come first served, each for RENDER_SLICE at a time (every
+    budget check may pass the turn on): many templates looping at once then cost a server one
+    thread's worth of CPU, and an ordinary rendering beside them waits one slice for each, not
+    for each to spend its whole time budget. `close` ends every rendering at its next check."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.line: collections.deque[threading.Event] = collections.deque()  # its head runs
+        self.closed = False
+
+    def take(self) -> None:
+        """Wait for this thread's turn."""
+        ticket = threading.Event()
+        with self.lock:
+            self.line.append(ticket)
+            if len(self.line) == 1:
+                ticket.set()
+        CLOCK.ticket = ticket
+        ticket.wait()
+        if self.closed:
+            self.give()
+            raise ChatRenderError(STOPPING)
+        CLOCK.slice_end = time.monotonic() + RENDER_SLICE
+
+    def give(self) -> None:
+        """Leave the line (at its head: the next one's turn begins)."""
+        ticket, CLOCK.ticket, CLOCK.slice_end = CLOCK.ticket, None, float("inf")
+        with self.lock:
+            if ticket in self.line:
+                first = self.line[0] is ticket
+                self.line.remove(ticket)
+                if first and self.line:
+                    self.line[0].set()
+
+    def pass_turn(self) -> None:
+        """At a budget check: once this slice is spent, let the next one waiting run first."""
+        if self.closed:
+            raise ChatRenderError(STOPPING)
+        if time.monotonic() > CLOCK.slice_end and len(self.line) > 1:
+            self.give()
+            self.take()
+
+    def close(self) -> None:
+        """End every rendering, running or waiting, at its next check (the server is stopping)."""
+        with self.lock:
+            self.closed = True
+            for ticket in self.line:
+                ticket.set()
+
+
+STOPPING = "the server is stopping; send the request again once it is back"
+
+
+@contextlib.contextmanager
+def taking_turns() -> Iterator[None]:
+    """Render in this thread's turn when it takes turns (CLOCK.turns), at once otherwise."""
+    turns = CLOCK.turns
+    if turns is None:
+        yield
+        return
+    turns.take()
+    try:
+        yield
+    finally:
+        turns.give()
+
+
 _HUGE_FIELD = re.compile(r"\d{7,}|\*")  # a width or precision that builds megabytes, or one read from the arguments
 
 
@@ -119,6 +197,8 @@ class Bounded(ImmutableSandboxedEnvironment):
     def check() -> None:
         if time.monotonic() > CLOCK.deadline:
             raise ChatRenderError(f"the chat template took more than {MAX_RENDER_SECONDS:g} s to render")
+        if CLOCK.ticket is not None:
+            CLOCK.turns.pass_turn()
 
     def _parse(self, source: str, name: Any, filename: Any) -> Any:
         return Budgeted().visit(super()._parse(source, name, filename))

@@ -9,11 +9,13 @@
   it is closed: uvicorn has none (uvicorn#157), so clients trickling header bytes could
   hold every descriptor the process may open and lock everyone else out (slowloris);
   and near the descriptor limit the oldest connection still without its head is closed
-  to make room for a new one.
+  to make room for a new one; what h11 refuses in a request's head is answered with an
+  OpenAI error object (`send_error_object`), as the app answers everything else.
 """
 
 import asyncio
 import ipaddress
+import json
 import resource
 import socket
 from typing import Any
@@ -60,6 +62,44 @@ def connection_cap() -> int:
     return max(8, min(soft, 1 << 16) - 64)
 
 
+def keep_protocol_errors(protocol: Any) -> None:
+    """Keep, as `protocol.protocol_error`, what h11 finds wrong with a request: uvicorn answers it
+    without saying why."""
+    import h11
+
+    read = protocol.conn.next_event
+    protocol.protocol_error = None
+
+    def next_event() -> Any:
+        try:
+            return read()
+        except h11.RemoteProtocolError as err:
+            protocol.protocol_error = err
+            raise
+
+    protocol.conn.next_event = next_event
+
+
+def send_error_object(protocol: Any, msg: str) -> None:
+    """Answer what h11 refuses (a Content-Length of -5 or of 24 digits, two Host headers, a malformed
+    head) as an OpenAI error object, as the app answers everything else, not in uvicorn's plain text."""
+    import h11
+
+    err = protocol.protocol_error
+    status = err.error_status_hint if err is not None and 400 <= err.error_status_hint < 500 else 400
+    message = f"the request is not valid HTTP/1.1: {err}" if err is not None else msg
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}})
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    headers.append((b"content-length", str(len(body)).encode()))
+    try:
+        for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body.encode())):
+            protocol.transport.write(protocol.conn.send(event))
+        protocol.transport.write(protocol.conn.send(h11.EndOfMessage()))
+    except h11.LocalProtocolError:  # a response had already begun: nothing more can be said
+        pass
+    protocol.transport.close()
+
+
 def deadline_protocol(header_timeout: float, cap: int | None = None) -> type:
     """uvicorn's h11 protocol, dropping a connection that has not sent a whole request head
     within `header_timeout` seconds of opening (or of its last response, when kept alive).
@@ -75,6 +115,13 @@ def deadline_protocol(header_timeout: float, cap: int | None = None) -> type:
 
     class DeadlineProtocol(H11Protocol):
         head_timer: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            keep_protocol_errors(self)
+
+        def send_400_response(self, msg: str) -> None:
+            send_error_object(self, msg)
 
         def arm(self) -> None:
             self.disarm()

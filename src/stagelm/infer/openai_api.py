@@ -128,11 +128,27 @@ def unsupported(body: dict, n: int) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise BadRequest(f"best_of: only best_of = n ({n}) is supported; leave it out", "best_of")
+    for name, kinds in TYPED.items():  # accepted and unused, but of the type OpenAI gives them
+        field(body, name, kinds)
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRequest(f"tools: expected a list of tool objects, got {shown(tools)}", "tools")
     for name, neutral in NEUTRAL.items():
         if body.get(name) not in neutral:
             raise BadRequest(f"{name}: {shown(body[name])} is not supported by this server; leave it out", name)
-    if body.get("tools") and body.get("tool_choice") in (None, "auto"):
+    if tools and body.get("tool_choice") in (None, "auto"):
         raise BadRequest("tools: tool calls are not supported by this server; leave tools out", "tools")
+
+
+# OpenAI fields this server accepts and ignores (they change no answer), with their types: a value of
+# another type is the client's mistake, refused as OpenAI refuses it.
+TYPED: dict[str, tuple] = {
+    "user": (str,),
+    "metadata": (dict,),
+    "store": (bool,),
+    "parallel_tool_calls": (bool,),
+    "service_tier": (str,),
+}
 
 
 # OpenAI fields this server does not implement, with the values that change nothing (what

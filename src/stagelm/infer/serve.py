@@ -32,8 +32,10 @@ cannot hold the descriptors); stop strings are bounded and matched only on new t
 """
 
 import asyncio
+import contextlib
 import json
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -41,6 +43,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from stagelm.data.template_sandbox import CLOCK, STOPPING, Turns
 from stagelm.infer.connection import LOOPBACK_NAMES, HostCheck, deadline_protocol, is_loopback, listen
 from stagelm.infer.engine import Engine, Request
 from stagelm.infer.generate import load_generator
@@ -59,6 +62,8 @@ from stagelm.infra.memory import require_memory
 from stagelm.model.footprint import kv_cache_bytes
 from stagelm.model.modeldir import read_sampling_defaults
 
+MAX_SLOTS = 1024  # requests decoded together: each batch size up to it compiles at start
+MAX_QUEUE = 1 << 16  # requests waiting for a slot
 MAX_BODY = 1 << 20  # bytes of a request body
 BODY_DEADLINE = 30.0  # seconds a client may take to send its body once the head is in
 
@@ -82,6 +87,8 @@ class Server:
         self.hosts = hosts  # Host names answered; () = any
         self.engine = Engine(self.gen, slots, queue)
         self.created = int(time.time())
+        self.turns = Turns()  # the chat templates' renderings take turns (template_sandbox)
+        self.preparing, self.preparing_lock = 0, threading.Lock()  # requests whose prompt is being prepared
 
     def warm_up(self) -> None:
         """Compile the engine's decode step for every batch size, greedy and sampled, before the first request."""
@@ -143,6 +150,48 @@ class Server:
             )
         return body
 
+    async def prepare(self, ids: Callable[[dict, Any], list[int]], body: dict) -> list[int]:
+        """`ids(body, chat format)`, the prompt's ids, on a thread of its own: a template is code from
+        elsewhere, rendered off the event loop under its budgets and taking turns with the other
+        renderings (`template_sandbox.Turns`), so templates that loop hold an ordinary request up
+        for a slice each. At most slots + queue requests are prepared at once (429 beyond, as the
+        engine refuses), and the threads are never waited for: a stopping server ends their renderings."""
+        with self.preparing_lock:
+            if self.preparing >= self.engine.slots + self.engine.queue_limit:
+                raise BadRequest(
+                    "the server is at capacity (every slot busy and the queue full); retry later",
+                    status=429,
+                    code="rate_limit_exceeded",
+                )
+            self.preparing += 1
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def work() -> None:
+            CLOCK.turns = self.turns
+            result, error = None, None
+            try:
+                result = ids(body, self.gen.chat)
+            except BaseException as err:  # handed to the request's handler, which answers it
+                error = err
+            finally:
+                with self.preparing_lock:
+                    self.preparing -= 1
+            with contextlib.suppress(RuntimeError):  # the event loop has closed (the server stopped)
+                loop.call_soon_threadsafe(settle, result, error)
+
+        threading.Thread(target=work, name="stagelm-prompt", daemon=True).start()
+        try:
+            return await done
+        except BadRequest:
+            if self.turns.closed:
+                raise BadRequest(STOPPING, status=503) from None
+            raise
+
     def start(self, prompt: list[int], opts: dict, chat: bool) -> tuple[Request, asyncio.Queue]:
         """Submit a request to the engine; its events arrive on the returned queue."""
         loop = asyncio.get_running_loop()
@@ -174,8 +223,7 @@ class Server:
 
         try:
             body = await self.body(http)
-            # A template is code from elsewhere: rendered off the event loop, under its own budgets.
-            prompt = await asyncio.to_thread(chat_prompt if chat else completion_prompt, body, self.gen.chat)
+            prompt = await self.prepare(chat_prompt if chat else completion_prompt, body)
             default_max = self.engine.capacity if chat else 16
             opts = settings(body, self.engine.slots, default_max, self.sampling)
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
@@ -378,5 +426,11 @@ def serve(
         f"serve: {model_dir} as {server.name!r} on http://{shown}:{port} ({slots} slots, queue {queue}){defaults}",
         flush=True,
     )
+
+    class Stopping(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            server.turns.close()  # renderings end at once: shutdown waits on no template
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(server.app(), log_level="warning", http=deadline_protocol(header_timeout))
-    uvicorn.Server(config).run(sockets=[sock])
+    Stopping(config).run(sockets=[sock])
