@@ -157,16 +157,39 @@ class Checkpoints:
         """
         self.verify(step)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        self.refuse_unfit(step, abstract)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore())
         try:
             restored = self.manager.restore(step, args=args)
         except Exception as err:  # Orbax and TensorStore raise many kinds; the folder is what the user acts on
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-            raise StagelmError(
-                f"{self.directory / str(step)}: cannot be restored onto this run's state and mesh ({first}); "
-                f"resume with the mesh it was saved on, or delete {self.directory} to start over"
-            ) from None
+            raise self.unfit(step, (str(err).strip().splitlines() or [type(err).__name__])[0][:160]) from None
         return restored["state"], restored["extra"]
+
+    def refuse_unfit(self, step: int, abstract: Any) -> None:
+        """Refuse checkpoint `step` when an array of it differs in shape from the run's state (Orbax
+        casts a dtype, but neither pads nor truncates), from its metadata, before Orbax reads anything:
+        a restore that fails part-way leaves its other reads running after Orbax has closed their event
+        loop, each to report "Event loop is closed" as it finishes. What the metadata cannot tell,
+        Orbax's restore still judges."""
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            saved = leaves_by_name(handler.metadata(self.directory / str(step) / "state"))
+        except Exception:  # noqa: BLE001 - unreadable metadata: the restore reports it
+            return
+        finally:
+            handler.close()
+        for name, want in leaves_by_name(abstract).items():
+            have = saved.get(name)
+            if have is None or not hasattr(have, "shape"):
+                continue
+            if tuple(have.shape) != tuple(want.shape):
+                raise self.unfit(step, f"{name}: saved {tuple(have.shape)}, this run's {tuple(want.shape)}")
+
+    def unfit(self, step: int, why: str) -> StagelmError:
+        return StagelmError(
+            f"{self.directory / str(step)}: cannot be restored onto this run's state and mesh ({why}); "
+            f"resume with the mesh it was saved on, or delete {self.directory} to start over"
+        )
 
     def close(self) -> None:
         self.manager.close()
@@ -197,6 +220,15 @@ def quiet_saving() -> Any:
         raise
     absl.setLevel(level)
     sys.unraisablehook = hook
+
+
+def leaves_by_name(tree: Any) -> dict[str, Any]:
+    """The leaves of a state (or of its Orbax metadata) by their path, e.g. `params/blocks/0/mlp/down/w/value`."""
+
+    def name(path: tuple) -> str:
+        return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+    return {name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def file_hashes(step_dir: Path) -> dict[str, str]:
