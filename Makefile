@@ -26,7 +26,12 @@ repro: setup
 # Two xdist workers (one per core): most of the suite's time is single-threaded (stage
 # processes starting, DVC, XLA compiles). --dist loadfile keeps each test file on one
 # worker, so a module's session fixtures (the DVC tests' built micro project) are built once.
-test: setup
+# The tests run lm-eval too (the eval extra, which `make repro` does not need).
+$(VENV)/.installed-eval: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[eval]'
+	touch $@
+
+test: setup $(VENV)/.installed-eval
 	pytest -q -n 2 --dist loadfile --durations=15
 
 # The docs as HTML: warnings are errors, and so is a reference that does not resolve (-n),

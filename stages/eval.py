@@ -1,10 +1,13 @@
-"""eval stage: validation loss, perplexity, bits per byte and task accuracy of one model.
+"""eval stage: validation loss, perplexity, bits per byte and task accuracy of one model, and
+the lm-eval tasks `eval.lm_eval_tasks` names.
 
     python stages/eval.py --params params.yaml --model runs/pretrain/model --name pretrain --format best \
-        --val data/packed/val --raw data/raw --out runs/eval/pretrain
+        --val data/packed/val --raw data/raw --inputs inputs --out runs/eval/pretrain
 
 `--format best` (a base model: the better of completion and chat) or `chat` (a tuned
 model) picks which accuracy is the overall `accuracy` (stagelm.measure.evaluation).
+lm-eval's figures go under `lm_eval.<task>` (stagelm.measure.harness); task YAMLs lie
+under `--inputs`, data.inputs, which the stage depends on.
 """
 
 import json
@@ -38,7 +41,7 @@ from stagelm.train.batches import check_batch
 
 def main() -> None:
     options = {"name": {"required": True}, "format": {"required": True, "choices": ("best", "chat")}}
-    stage = start(__doc__, "model", "val", "raw", "out", options=options)
+    stage = start(__doc__, "model", "val", "raw", "inputs", "out", options=options)
     args = stage.args
     stage.name = f"eval@{args.name}"
     cfg = load_section(stage.params, "eval")
@@ -63,6 +66,11 @@ def main() -> None:
     records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
     metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)
     metrics.update(sampled_metrics(gen, tasks, cfg))
+    if cfg.lm_eval_tasks:  # lm-eval is an optional extra: imported only when tasks are named
+        from stagelm.measure.harness import evaluate_tasks
+
+        limit = cfg.lm_eval_limit
+        metrics["lm_eval"] = evaluate_tasks(args.model, cfg.lm_eval_tasks, limit, args.inputs, cfg.batch_size)
 
     if jax.process_index() == 0:
         write_json(args.out / "metrics.json", metrics)
@@ -73,6 +81,7 @@ def main() -> None:
         f"eval@{args.name}: val loss {metrics['val_loss']:.4f}, bits/byte {metrics['bits_per_byte']:.4f}, "
         f"accuracy {metrics['accuracy']:.3f} ± {metrics['accuracy_se']:.3f} ({metrics['accuracy_format']}; "
         f"completion {metrics['completion']['accuracy']:.3f}, chat {metrics['chat']['accuracy']:.3f})"
+        + "".join(f"; lm-eval {task}: {figures}" for task, figures in metrics.get("lm_eval", {}).items())
     )
 
 

@@ -17,6 +17,9 @@ stagelm serve <model dir> [--host 127.0.0.1] [--port 8000]
     chat page at /, on the KV-cache engine (see stagelm.infer.serve).
 stagelm import-hf | import-gguf <checkpoint> <model dir>;  stagelm export-hf | export-gguf <model dir> <out>
     checkpoints from elsewhere in, and a model out to transformers and llama.cpp.
+stagelm lm-eval --model_args pretrained=<model dir>[,batch_size=N] --tasks ... [any lm_eval flag]
+    EleutherAI's lm-evaluation-harness on stagelm's engine: lm-eval's own command line with
+    `--model stagelm` implied (the `eval` extra; stagelm.measure.harness).
 stagelm lineage <artifact>;  stagelm inspect <run dir>
     where an artifact came from; what one run directory holds.
 stagelm params [--markdown] [--params params.yaml]
@@ -282,6 +285,8 @@ def serve(args: argparse.Namespace) -> None:
         raise StagelmError(f"--header-timeout: expected seconds in (0, 3600), got {args.header_timeout}")
     if args.name is not None and not args.name.strip():
         raise StagelmError("--name: expected a non-empty name")
+    if any(not host.strip() for host in args.allow_host):  # "" would answer requests that name no host
+        raise StagelmError("--allow-host: expected a host name, got ''")
     hosts = tuple(args.allow_host)
     serve(args.model_dir, args.host, args.port, args.slots, args.queue, args.name, hosts, args.header_timeout)
 
@@ -304,6 +309,26 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=serve)
 
 
+def lm_eval(args: argparse.Namespace) -> None:
+    from stagelm.pipeline.params import lm_eval_installed
+
+    if not lm_eval_installed():
+        raise StagelmError("lm-eval: not installed; pip install -e '.[eval]' (EleutherAI's lm-evaluation-harness)")
+    from stagelm.measure.harness import run_cli
+
+    run_cli(args.lm_eval_args)
+
+
+LM_EVAL = "lm-eval"  # its arguments are lm-eval's, passed on whole (argparse would read its flags as ours)
+
+
+def add_lm_eval(sub: argparse._SubParsersAction) -> None:
+    help_text = "lm-evaluation-harness on a model directory: lm_eval's flags, --model stagelm implied"
+    p = sub.add_parser(LM_EVAL, help=help_text, add_help=False)  # --help is lm-eval's own
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lm_eval)
+
+
 # In the order `stagelm --help` lists them.
 COMMANDS = (
     add_check,
@@ -318,6 +343,7 @@ COMMANDS = (
     add_serve,
     add_imports,
     add_export_gguf,
+    add_lm_eval,
 )
 
 
@@ -326,7 +352,10 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
-    args = parser.parse_args()
+    if sys.argv[1:2] == [LM_EVAL]:
+        args = argparse.Namespace(func=lm_eval, lm_eval_args=sys.argv[2:])
+    else:
+        args = parser.parse_args()
     run_main(lambda: args.func(args), interrupted=None)  # a command, not a stage: no rerun to speak of
 
 

@@ -5,7 +5,7 @@ import json
 import random
 
 from stagelm.data import synthetic
-from stagelm.tasks import FAMILIES, REGISTRY, Family, Task, check_answer, first_sentence, select
+from stagelm.tasks import REGISTRY, SYNTHETIC, Family, Task, check_answer, first_sentence, select
 from stagelm.tasks.arithmetic import arithmetic_task
 from stagelm.tasks.family import IndexedSpace, split_sampled
 from stagelm.tasks.three_digit import three_digit_task
@@ -60,7 +60,7 @@ def test_a_large_problem_space_is_split_without_listing_it():
 def test_eval_problems_never_appear_in_training_sets_or_corpus():
     g = synthetic.generate(0, 3000, 2000, 1000, 1000)
     held = {t.prompt for t in g["eval"]}
-    assert len(held) == 1000 * len(FAMILIES) and {t.family for t in g["eval"]} == set(FAMILIES)
+    assert len(held) == 1000 * len(SYNTHETIC) and {t.family for t in g["eval"]} == set(SYNTHETIC)
     train_prompts = {t.prompt for t in g["rl"]} | {m["messages"][0]["content"] for m in g["sft"]}
     held_chat = {t.chat_prompt for t in g["eval"]}
     assert not held & train_prompts and not held_chat & train_prompts
@@ -91,7 +91,7 @@ def test_uses_word_eval_asks_for_words_no_training_answer_of_the_family_contains
 
 def test_no_single_answer_passes_more_than_five_percent_of_any_familys_eval_prompts():
     g = synthetic.generate(0, 0, 1, 1, 1000)
-    for family in FAMILIES:
+    for family in SYNTHETIC:
         tasks = [t for t in g["eval"] if t.family == family]
         candidates = {t.answer for t in tasks} | {t.chat_answer for t in tasks}
         best = max(sum(check_answer(family, t.spec, a)[1] for t in tasks) for a in candidates)

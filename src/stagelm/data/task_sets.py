@@ -2,7 +2,10 @@
 
 A task file's rows are checked against the set's schema (sft: `family`, `messages`; rl and
 eval: `family`, `prompt`, `chat_prompt` and a `spec` the family's checker can read), and a
-bad row is one line naming the file, line and field.
+bad row is one line naming the file, line and field. A row with a reference final answer
+and no `family` (GSM8K's `question` and `answer` ending `#### <answer>`, or `prompt` and
+`answer`) is a `final_answer` task in every set (`stagelm.tasks.final_answer`): in sft its
+worked solution is the assistant's turn.
 """
 
 import json
@@ -12,6 +15,7 @@ from stagelm.data.corpus_files import match_files, open_stream, require_text
 from stagelm.infra.errors import StagelmError
 from stagelm.pipeline.config import DataConfig
 from stagelm.tasks import FAMILIES, Task, spec_problem
+from stagelm.tasks.final_answer import is_final_answer_row, task_from_row
 
 
 def task_sets(cfg: DataConfig, generated: dict[str, list]) -> tuple[dict[str, list], dict[str, str]]:
@@ -79,7 +83,12 @@ def text_field(row: dict[str, Any], field: str, required: bool = True) -> str:
 
 
 def sft_row(row: dict[str, Any]) -> dict[str, Any]:
-    """{family, messages: [{role, content}]}: user and assistant turns, at least one of them trained."""
+    """{family, messages: [{role, content}]}: user and assistant turns, at least one of them trained;
+    a final_answer row (a question and its worked solution) as one such exchange."""
+    if is_final_answer_row(row):
+        task = task_from_row(row)
+        messages = [{"role": "user", "content": task.chat_prompt}, {"role": "assistant", "content": task.chat_answer}]
+        return {"family": task.family, "messages": messages}
     family = text_field(row, "family")
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -101,7 +110,10 @@ def sft_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def task_file_row(row: dict[str, Any]) -> dict[str, Any]:
-    """An rl or eval task: a registered family, both prompts, and a spec its checker can read."""
+    """An rl or eval task: a registered family, both prompts, and a spec its checker can read (or a
+    final_answer row, which carries its reference in place of them)."""
+    if is_final_answer_row(row):
+        return task_row(task_from_row(row))
     family = text_field(row, "family")
     if family not in FAMILIES:
         raise ValueError(f"family: unknown {family!r}; expected one of {list(FAMILIES)}")

@@ -25,7 +25,7 @@ from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
 from stagelm.model.footprint import generation_bytes
 from stagelm.pipeline.config import EvalConfig, temperature_key
-from stagelm.tasks import check_answer
+from stagelm.tasks import check_answer, one_line
 from stagelm.train.batches import sum_over_split
 from stagelm.train.step import lm_loss, next_token_targets
 
@@ -95,7 +95,8 @@ def answer_tasks(
     for start in range(0, len(tasks), batch):
         chunk = prompts[start : start + batch]
         key = jax.random.fold_in(jax.random.key(0), start)
-        completions = gen.generate(chunk, max_new, sampling, key, chat=fmt == "chat", stop_at_newline=True, batch=batch)
+        newline = one_line({t["family"] for t in tasks[start : start + batch]})  # a worked solution runs on
+        completions = gen.generate(chunk, max_new, sampling, key, chat=fmt == "chat", stop_at_newline=newline, batch=batch)
         for task, completion in zip(tasks[start : start + batch], completions, strict=True):
             well_formed, correct = check_answer(task["family"], json.loads(task["spec"]), completion.text)
             records.append(

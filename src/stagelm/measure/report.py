@@ -161,6 +161,31 @@ def family_table(models: list[dict]) -> list[str]:
     return lines
 
 
+def lm_eval_table(models: list[dict]) -> list[str]:
+    """lm-eval's figures of every model (`eval.lm_eval_tasks`), one column per task and metric, ± its
+    standard error; none when no eval ran a task."""
+    columns = sorted(
+        {
+            (task, path)
+            for m in models
+            for task, figures in m["eval"].get("lm_eval", {}).items()
+            for path, _ in flat_numbers(figures)
+            if path != "samples" and not path.endswith("_stderr")
+        }
+    )
+    if not columns:
+        return []
+    lines = ["| model | " + " | ".join(f"{t} {p}" for t, p in columns) + " |", "|---|" + "---|" * len(columns)]
+    for m in models:
+        figures = {task: dict(flat_numbers(v)) for task, v in m["eval"].get("lm_eval", {}).items()}
+        cells = []
+        for task, path in columns:
+            value, se = figures.get(task, {}).get(path), figures.get(task, {}).get(path + "_stderr")
+            cells.append("" if value is None else f"{value:.4g}" + (f" ± {se:.2g}" if se is not None else ""))
+        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def parent_of(m: dict, names: list[str]) -> tuple[str, str] | None:
     """(input name, model) a stage started from, read from its provenance: ("model", "pretrain")
     for SFT, ("teacher", "sft") for distillation; None for a model trained from scratch."""
@@ -398,6 +423,9 @@ def render(runs: Path, models: list[str], figures: Path, report_path: Path, benc
     ]
     out += ["## Stage by stage", "", *stage_table(summaries), "", *stage_sentences(summaries), ""]
     out += ["## Models", "", *model_table(summaries), "", "### Accuracy per task family", "", *family_table(summaries)]
+    lm_eval = lm_eval_table(summaries)
+    if lm_eval:
+        out += ["", "### lm-eval tasks", "", "lm-evaluation-harness's figures (`eval.lm_eval_tasks`).", "", *lm_eval]
     if benchmark:
         env = benchmark.get("environment", {})
         out += [

@@ -305,6 +305,12 @@ class EvalConfig:
     temperature_prompts: int | None = param(
         "prompts per family for chat_temperatures, the first of the eval set; null = all", POSITIVE
     )
+    lm_eval_tasks: list[str] = param(
+        "lm-eval tasks each eval stage runs (lm-eval's task names, or task YAML files under data.inputs; "
+        "docs/evaluating.md); [] = none",
+        (lambda ts: all(t.strip() for t in ts) and len(set(ts)) == len(ts), "a {type} of distinct task names"),
+    )
+    lm_eval_limit: int | None = param("documents scored per lm-eval task; null = all", POSITIVE)
 
     def validate(self, prefix: str) -> None:
         if self.pass_k and not self.sample_temperature:

@@ -13,6 +13,7 @@ depends on from its source.
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import types
 import typing
@@ -23,7 +24,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from stagelm.infra.errors import StagelmError
-from stagelm.pipeline.config import SECTIONS, SEED, DataConfig, ModelConfig, inside
+from stagelm.pipeline.config import SECTIONS, SEED, DataConfig, EvalConfig, ModelConfig, inside
 
 
 def read_yaml(path: Path) -> Any:
@@ -77,6 +78,7 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
             )
     sections = {"seed": load_seed(params), **{name: load_section(params, name) for name in SECTIONS}}
     require_init_inside_inputs(sections["model"], sections["data"])
+    require_lm_eval_tasks(sections["eval"], sections["data"])
     return sections
 
 
@@ -200,6 +202,29 @@ def require_init_inside_inputs(model: ModelConfig, data: DataConfig) -> None:
                 f"model.init_from: {path!r} lies outside data.inputs {data.inputs!r}, the folder DVC hashes; "
                 "move the checkpoint into it"
             )
+
+
+def lm_eval_installed() -> bool:
+    """Whether EleutherAI's lm-eval (the `eval` extra) can be imported."""
+    try:
+        return importlib.util.find_spec("lm_eval") is not None
+    except ValueError:  # in sys.modules as None: imports of it are blocked
+        return False
+
+
+def require_lm_eval_tasks(cfg: EvalConfig, data: DataConfig) -> None:
+    """Refuse `eval.lm_eval_tasks` that cannot run: a task YAML outside `data.inputs` (the folder the
+    eval stages depend on, so DVC hashes it), or any task without lm-eval installed (the eval extra)."""
+    for task in cfg.lm_eval_tasks:
+        if task.endswith((".yaml", ".yml")) and not inside(task, data.inputs):
+            raise StagelmError(
+                f"eval.lm_eval_tasks: {task!r} lies outside data.inputs {data.inputs!r}, the folder DVC hashes; "
+                "move the task YAML and its data into it"
+            )
+    if cfg.lm_eval_tasks and not lm_eval_installed():
+        raise StagelmError(
+            "eval.lm_eval_tasks: lm-eval is not installed; pip install -e '.[eval]', or set eval.lm_eval_tasks: []"
+        )
 
 
 # Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update

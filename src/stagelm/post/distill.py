@@ -40,6 +40,7 @@ from stagelm.infer.generate import Generator, Sampling
 from stagelm.infra import mesh
 from stagelm.infra.errors import StagelmError
 from stagelm.model.decoder import Decoder
+from stagelm.tasks import one_line
 from stagelm.train.batches import BatchSource
 from stagelm.train.step import LossFn, lm_loss, next_token_targets
 
@@ -146,7 +147,7 @@ class OnPolicyBatches:
                 f"a step; raise pack.seq_len or set {key} to 0"
             )
         self.skipped = len(prompts) - len(self.prompts)
-        self.stop = gen.stop_mask(chat=True, stop_at_newline=True)
+        self.stop = gen.stop_mask(chat=True, stop_at_newline=one_line({c["family"] for c in conversations}))
         self.sampling = Sampling(temperature=1.0)
         self.step = 0
         self.answers = self.teacher_answers(teacher, sequence_sampling or Sampling()) if sequence > 0 else None

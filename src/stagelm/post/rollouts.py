@@ -33,7 +33,7 @@ from stagelm.infra.mesh import mine, to_host
 from stagelm.model.footprint import generation_bytes
 from stagelm.pipeline.config import GrpoConfig
 from stagelm.post.grpo import group_advantages, token_logprobs
-from stagelm.tasks import REGISTRY, check_answer, step_credit
+from stagelm.tasks import REGISTRY, check_answer, one_line, step_credit
 
 
 def rollout_metrics(drawn: list["Group"]) -> dict[str, float]:
@@ -193,7 +193,7 @@ class Rollouts:
         """`group_size` scored completions of each prompt in `chosen`, sampled with `policy` in
         `grad_accum` chunks of whole groups (the KV cache holds one chunk's rows at a time)."""
         cfg, gen = self.cfg, self.gen
-        stop = gen.stop_mask(chat=True, stop_at_newline=True)
+        stop = gen.stop_mask(chat=True, stop_at_newline=one_line(cfg.families))
         sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p)
         chunks = np.split(chosen, cfg.grad_accum)
         keys = [key] if cfg.grad_accum == 1 else list(jax.random.split(key, cfg.grad_accum))

@@ -12,9 +12,13 @@ corpus text it contributes, if any), described by a `family.Family`:
 - `uses_word`: a sentence about a name with a given word in at most k words (taught;
   its eval prompts ask for words held out of all its training text, so it tests copying);
 - `word_limit`: a sentence about a person at a place in at most k words, asked only in
-  the rl and eval sets.
+  the rl and eval sets;
+- `final_answer`: a user's own graded task, read from task files only (GSM8K's rows as
+  they are, or `prompt` and `answer`): the answer after `####` or the last number,
+  compared numerically, else the text exactly.
 
-An answer is the completion's first sentence (up to and including the first period).
+An answer of the synthetic families is the completion's first sentence (up to and
+including the first period).
 
 Adding a family: write `tasks/<name>.py` ending in `FAMILY = Family(...)` (the four
 above are the examples), import it below and add it to `REGISTRY`, and test its
@@ -26,27 +30,36 @@ every family file, and editing one reruns the stages that read it.
 from typing import Any
 
 from stagelm.infra.errors import StagelmError
-from stagelm.tasks import arithmetic, three_digit, uses_word, word_limit
+from stagelm.tasks import arithmetic, final_answer, three_digit, uses_word, word_limit
 from stagelm.tasks.family import Family, Task, first_sentence
 
 REGISTRY: dict[str, Family] = {
-    f.name: f for f in (arithmetic.FAMILY, three_digit.FAMILY, uses_word.FAMILY, word_limit.FAMILY)
+    f.name: f for f in (arithmetic.FAMILY, three_digit.FAMILY, uses_word.FAMILY, word_limit.FAMILY, final_answer.FAMILY)
 }
 FAMILIES = tuple(REGISTRY)
+SYNTHETIC = tuple(name for name, family in REGISTRY.items() if family.generated)  # what data.families may name
 
 __all__ = [
     "FAMILIES",
     "REGISTRY",
+    "SYNTHETIC",
     "Family",
     "Task",
     "check_answer",
     "first_sentence",
+    "one_line",
     "require_families",
     "require_family_sets",
+    "require_generated",
     "select",
     "spec_problem",
     "step_credit",
 ]
+
+
+def one_line(families: list[str] | tuple[str, ...] | set[str]) -> bool:
+    """Whether every family named answers in one line, so generation for them may stop at a newline."""
+    return all(REGISTRY[f].one_line for f in families)
 
 
 def check_answer(family: str, spec: dict[str, Any], completion: str) -> tuple[bool, bool]:
@@ -74,6 +87,7 @@ def require_family_sets(data: Any, grpo: Any) -> None:
     """Fail, naming the key, unless `data.families` and `grpo.families` are registered and every
     rewarded family is generated (when the rl set is the synthetic one): before any stage runs."""
     require_families(data.families, "data.families")
+    require_generated(data.families, "data.families")
     require_families(grpo.families, "grpo.families")
     missing = [f for f in grpo.families if f not in data.families]
     if data.rl_files is None and missing:
@@ -83,10 +97,21 @@ def require_family_sets(data: Any, grpo: Any) -> None:
         )
 
 
+def require_generated(names: list[str] | tuple[str, ...], key: str) -> None:
+    """Fail naming the key if a family named comes from task files only (the synthetic source has none)."""
+    files_only = [n for n in names if not REGISTRY[n].generated]
+    if files_only:
+        raise StagelmError(
+            f"{key}: {files_only} come from task files only (data.sft_files, data.rl_files, data.eval_files), "
+            f"not the synthetic source; choose among {list(SYNTHETIC)} here"
+        )
+
+
 def select(names: list[str] | tuple[str, ...], key: str) -> dict[str, Family]:
-    """The families named (checked, see `require_families`), in registry order: the order the
-    synthetic source draws taught families in, whatever order the list gives."""
+    """The families named (checked, see `require_families`; each one the synthetic source draws), in
+    registry order: the order the synthetic source draws taught families in, whatever order the list gives."""
     require_families(names, key)
+    require_generated(names, key)
     return {name: family for name, family in REGISTRY.items() if name in names}
 
 

@@ -53,6 +53,12 @@ class Family:
     # GRPO's `reward: steps`: 1 only for a right answer, a share for each right step of a wrong
     # one. None: the family's answers have no steps to check.
     step_credit: Callable[[dict[str, Any], str, str], float] | None = None
+    # False: the family's tasks come from task files only (`data.*_files`), so it cannot be
+    # one of `data.families`, which the synthetic source draws.
+    generated: bool = True
+    # True: an answer is one line (the checker reads the first sentence), so generation stops
+    # at a newline; False: answers run over lines (a worked solution) to an end of turn.
+    one_line: bool = True
 
 
 def split_problems(problems: list[Problem], n_held_out: int, rng: random.Random) -> tuple[list, list]:
