@@ -455,6 +455,11 @@ def test_eval_answers_stop_at_twice_the_trained_context(capsys, micro_data, pret
     [
         (["--seed", "99999999999999999999999"], "--seed: expected an int in [0, 2**32), got 99999999999999999999999"),
         (["--temperature", "inf"], "temperature: expected a finite value >= 0, got inf"),
+        (["--temperature", "1e308"], "temperature: expected a finite value >= 0, got 1e+308"),  # inf in float32
+        (
+            ["--top-k", "99999999999999999999"],
+            "top_k: expected >= 0 (0 = off) and below 2**31, got 99999999999999999999",
+        ),
         (["--prompt", "caf\udcff"], "--prompt: not UTF-8 text; pass the prompt as UTF-8"),
     ],
 )
@@ -719,6 +724,11 @@ CHAT_FILES = [  # (file, contents, words of the error)
         {"chat_template": "{{ 10**(10**8) }}"},
         "tokenizer_config.json: the chat template raises",
     ),
+    (
+        "tokenizer_config.json",
+        {"chat_template": [{"name": "tool_use", "template": "{{ messages }}"}]},
+        "chat_template lists named templates ['tool_use'] but none named 'default'",
+    ),
     ("tokenizer_config.json", {"add_bos_token": "yes"}, "add_bos_token = 'yes'; expected true or false"),
     ("tokenizer_config.json", {"eos_token": 42}, "tokenizer_config.json: eos_token = 42; expected the token's text"),
     ("tokenizer_config.json", {"pad_token": ["<|pad|>"]}, "pad_token = ['<|pad|>']; expected the token's text"),
@@ -807,6 +817,26 @@ def test_import_hf_never_replaces_a_model_trained_here(monkeypatch, capsys, mode
         f"error: {model_dir}: holds a stagelm model that was trained, not imported (its config.json has no "
         "imported_from); give import-hf a new or empty folder\n"
     )
+    assert tree_bytes(tmp_path) == before
+
+
+def test_export_hf_never_replaces_a_checkpoint_it_did_not_write(monkeypatch, capsys, model_dir, tmp_path):
+    """A folder of transformers' own file names (what save_pretrained writes) is no previous export:
+    only one whose config.json holds exactly the keys export-hf writes is replaced."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps({"model_type": "llama", "transformers_version": "4.57.0"}))
+    (saved / "model.safetensors").write_bytes(b"a user's weights")
+    weights_only = tmp_path / "weights"
+    weights_only.mkdir()
+    (weights_only / "model.safetensors").write_bytes(b"a user's weights")
+    before = tree_bytes(tmp_path)
+    for target in (saved, weights_only):
+        err = stagelm(monkeypatch, capsys, "export-hf", str(model_dir), str(target))
+        assert err == (
+            f"error: {target}: holds a checkpoint export-hf did not write (its config.json is not an export's); "
+            "give export-hf a new or empty folder\n"
+        )
     assert tree_bytes(tmp_path) == before
 
 

@@ -473,6 +473,8 @@ def test_ports_and_slots_are_checked_before_the_model_loads(long_model, tmp_path
         result = serve_flags(long_model, tmp_path, "--port", "0", flag, value)
         assert result.returncode == 2 and result.stderr.startswith(f"error: {flag}: expected {bound}"), result.stderr
         assert result.stderr.endswith(f", got {value}\n") and result.stderr.count("\n") == 1
+    result = serve_flags(long_model, tmp_path, "--port", "0", "--allow-host", "")
+    assert result.returncode == 2 and result.stderr == "error: --allow-host: expected a host name, got ''\n"
     huge = tmp_path / "huge"  # a context of a million positions: 1,024 slots of it hold 64 GiB of KV cache
     shutil.copytree(long_model, huge)
     config = json.loads((huge / "config.json").read_text())

@@ -14,6 +14,7 @@
 """
 
 import asyncio
+import http
 import ipaddress
 import json
 import resource
@@ -87,12 +88,13 @@ def send_error_object(protocol: Any, msg: str) -> None:
 
     err = protocol.protocol_error
     status = err.error_status_hint if err is not None and 400 <= err.error_status_hint < 500 else 400
-    message = f"the request is not valid HTTP/1.1: {err}" if err is not None else msg
+    message = f"the request is not valid HTTP/1.1: {str(err)[:200]}" if err is not None else msg
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}})
     headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     headers.append((b"content-length", str(len(body)).encode()))
     try:
-        for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body.encode())):
+        head = h11.Response(status_code=status, headers=headers, reason=http.HTTPStatus(status).phrase)
+        for event in (head, h11.Data(data=body.encode())):
             protocol.transport.write(protocol.conn.send(event))
         protocol.transport.write(protocol.conn.send(h11.EndOfMessage()))
     except h11.LocalProtocolError:  # a response had already begun: nothing more can be said

@@ -35,6 +35,9 @@ from stagelm.model.modeldir import load_model, read_model_context
 BUCKET = 16
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0 = greedy
@@ -42,12 +45,13 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < float("inf"):  # inf would make every token equally likely
+        # Finite in float32, as the sampler computes: 1e308 would be inf there, every token equally likely.
+        if not 0 <= self.temperature <= FLOAT32_MAX:
             raise StagelmError(f"temperature: expected a finite value >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise StagelmError(f"top_p: expected a value in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise StagelmError(f"top_k: expected >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:  # an int32 on the device
+            raise StagelmError(f"top_k: expected >= 0 (0 = off) and below 2**31, got {self.top_k}")
 
     def arrays(self) -> dict[str, jax.Array]:
         return {

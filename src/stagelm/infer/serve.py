@@ -28,7 +28,9 @@ must say `Content-Type: application/json`, which a page on another origin cannot
 without the browser asking first (CSRF); a connection must send its request head
 within `--header-timeout` seconds and its body within BODY_DEADLINE (slow clients
 cannot hold the descriptors); stop strings are bounded and matched only on new text;
-`--slots` that the memory cannot hold are refused at start.
+`--slots` that the memory cannot hold (or past MAX_SLOTS) are refused at start; a chat
+template renders on a thread of its own under its budgets, taking turns with the others
+(`Server.prepare`), and a stopping server ends every rendering at once.
 """
 
 import asyncio

@@ -82,7 +82,11 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
     tok = load_tokenizer(model_dir / "tokenizer.json")
     chat = load_chat_format(tok, model_dir)
     cfg, context = model.cfg, read_model_context(model_dir)
-    tokens, types, merges = vocabulary(tok)
+    try:
+        tokens, types, merges = vocabulary(tok)
+        pre = pre_tokenizer_name(tok)
+    except StagelmError as err:  # a tokenizer GGUF cannot describe: name its file
+        raise StagelmError(f"{model_dir / 'tokenizer.json'}: {err}") from None
     if len(tokens) < cfg.vocab_size:  # embedding rows beyond the tokenizer: llama.cpp wants a token for each
         tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)]
         types += [TOKEN_USER_DEFINED] * (cfg.vocab_size - len(types))
@@ -101,7 +105,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(FILE_TYPES[dtype])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer_name(tok))
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -8,14 +8,23 @@ that renders stagelm's chat format, or the checkpoint's own). Logits agree with
 transformers' to float tolerance (tests/interop).
 """
 
+import os
 import shutil
+import types
 from pathlib import Path
 from typing import Any
 
 from stagelm.data.chatformat import load_chat_format
 from stagelm.data.tokenizer import ASSISTANT, BOS, END, EOS, PAD, USER, load_tokenizer
 from stagelm.infra.errors import StagelmError
-from stagelm.infra.files import atomic_write_bytes, copy_file, folder_beside, replace_folder, write_json
+from stagelm.infra.files import (
+    atomic_write_bytes,
+    copy_file,
+    folder_beside,
+    read_json_object,
+    replace_folder,
+    write_json,
+)
 from stagelm.interop.chat_spec import CHAT_TEMPLATE
 from stagelm.interop.llama_state import llama_tensors
 from stagelm.model.decoder import DecoderConfig
@@ -64,16 +73,34 @@ EXPORT_FILES = (
 
 def check_export_target(model_dir: Path, out_dir: Path) -> None:
     """Refuse an export target that is a file, the model itself or inside it, or a folder
-    holding anything but a previous export's files (which the export replaces)."""
+    holding anything but a previous export (which the export replaces)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise StagelmError(f"{out_dir}: a file, not a folder; give export-hf a new or empty folder to write")
     if out_dir.resolve() == model_dir.resolve() or out_dir.resolve().is_relative_to(model_dir.resolve()):
         raise StagelmError(f"{out_dir}: is (or is inside) the model being exported; give export-hf another folder")
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in EXPORT_FILES) if out_dir.is_dir() else []
+    names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    others = [name for name in names if name not in EXPORT_FILES]
     if others:
         raise StagelmError(
             f"{out_dir}: holds {others[:3]}, not only a previous export; give export-hf a new or empty folder"
         )
+    if names and not is_previous_export(out_dir / "config.json"):  # e.g. a checkpoint transformers saved
+        raise StagelmError(
+            f"{out_dir}: holds a checkpoint export-hf did not write (its config.json is not an export's); "
+            "give export-hf a new or empty folder"
+        )
+
+
+def is_previous_export(config: Path) -> bool:
+    """Whether `config` is a config.json export-hf wrote: the keys `hf_config` writes, no others (transformers
+    writes `transformers_version` into every config.json it saves)."""
+    if not os.path.lexists(config):
+        return False
+    ours = hf_config(DecoderConfig(vocab_size=2, d_model=2, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=2), 1, SPECIALS)
+    return set(read_json_object(config, "move the folder away")) == set(ours)
+
+
+SPECIALS = types.SimpleNamespace(bos=None, eos=0, pad=0)  # a chat format's token ids, as hf_config reads them
 
 
 def export_hf(model_dir: str | Path, out_dir: str | Path, sampling: dict[str, float] | None = None) -> Path:

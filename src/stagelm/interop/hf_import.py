@@ -236,7 +236,13 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
     if isinstance(template, list):  # named templates: the default one
         if not all(isinstance(t, dict) for t in template):
             raise StagelmError(f"{config_path}: chat_template is a list of something other than named templates")
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        named = {t.get("name"): t.get("template") for t in template}
+        if template and "default" not in named:  # transformers refuses to choose, and so does stagelm
+            raise StagelmError(
+                f"{config_path}: chat_template lists named templates {sorted(map(str, named))[:4]} but none named "
+                "'default'; name the one to chat with 'default'"
+            )
+        template = named.get("default")
     if template is not None and not isinstance(template, str):
         raise StagelmError(f"{config_path}: chat_template is {type(template).__name__}; expected a Jinja string")
     template_path = config_path
