@@ -1,13 +1,11 @@
-"""eval stage: validation loss, perplexity, bits per byte and task accuracy of one model, and
-the lm-eval tasks `eval.lm_eval_tasks` names.
+"""eval stage: val loss, perplexity, bits per byte, task accuracy and lm-eval tasks of one model.
 
     python stages/eval.py --params params.yaml --model runs/pretrain/model --name pretrain --format best \
         --val data/packed/val --raw data/raw --inputs inputs --out runs/eval/pretrain
 
-`--format best` (a base model: the better of completion and chat) or `chat` (a tuned
-model) picks which accuracy is the overall `accuracy` (stagelm.measure.evaluation).
-lm-eval's figures go under `lm_eval.<task>` (stagelm.measure.harness); task YAMLs lie
-under `--inputs`, data.inputs, which the stage depends on.
+`--format best` (a base model: the better of completion and chat) or `chat` (a tuned model) picks
+which accuracy is the overall `accuracy` (stagelm.measure.evaluation); `eval.lm_eval_tasks`' figures
+go under `lm_eval.<task>` (stagelm.measure.harness), their task YAMLs under `--inputs` (data.inputs).
 """
 
 import json
@@ -27,6 +25,7 @@ from stagelm.measure.evaluation import (
     answer_tasks,
     generation_capacity,
     limit_per_family,
+    lm_eval_metrics,
     require_eval_context,
     require_eval_memory,
     sampled_metrics,
@@ -42,10 +41,8 @@ from stagelm.train.batches import check_batch
 def main() -> None:
     options = {"name": {"required": True}, "format": {"required": True, "choices": ("best", "chat")}}
     stage = start(__doc__, "model", "val", "raw", "inputs", "out", options=options)
-    args = stage.args
-    stage.name = f"eval@{args.name}"
-    cfg = load_section(stage.params, "eval")
-    mesh_cfg = load_section(stage.params, "mesh")
+    args, stage.name = stage.args, f"eval@{stage.args.name}"
+    cfg, mesh_cfg = load_section(stage.params, "eval"), load_section(stage.params, "mesh")
 
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
     check_batch(cfg.batch_size, mesh, "eval.batch_size")
@@ -66,12 +63,7 @@ def main() -> None:
     records = [r for fmt in FORMATS for r in answer_tasks(gen, tasks, fmt, cfg.task_batch_size, cfg.max_new_tokens)]
     metrics.update(task_metrics(records, args.format), cache_capacity=capacity, trained_context=context)
     metrics.update(sampled_metrics(gen, tasks, cfg))
-    if cfg.lm_eval_tasks:  # lm-eval is an optional extra: imported only when tasks are named
-        from stagelm.measure.harness import evaluate_tasks
-
-        limit = cfg.lm_eval_limit
-        metrics["lm_eval"] = evaluate_tasks(args.model, cfg.lm_eval_tasks, limit, args.inputs, cfg.batch_size)
-
+    metrics.update(lm_eval_metrics(args.model, cfg, args.inputs))
     if jax.process_index() == 0:
         write_json(args.out / "metrics.json", metrics)
         atomic_write_bytes(args.out / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
@@ -81,7 +73,6 @@ def main() -> None:
         f"eval@{args.name}: val loss {metrics['val_loss']:.4f}, bits/byte {metrics['bits_per_byte']:.4f}, "
         f"accuracy {metrics['accuracy']:.3f} ± {metrics['accuracy_se']:.3f} ({metrics['accuracy_format']}; "
         f"completion {metrics['completion']['accuracy']:.3f}, chat {metrics['chat']['accuracy']:.3f})"
-        + "".join(f"; lm-eval {task}: {figures}" for task, figures in metrics.get("lm_eval", {}).items())
     )
 
 

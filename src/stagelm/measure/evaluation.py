@@ -10,6 +10,7 @@ the two formats) or "chat" (a tuned model).
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -96,7 +97,8 @@ def answer_tasks(
         chunk = prompts[start : start + batch]
         key = jax.random.fold_in(jax.random.key(0), start)
         newline = one_line({t["family"] for t in tasks[start : start + batch]})  # a worked solution runs on
-        completions = gen.generate(chunk, max_new, sampling, key, chat=fmt == "chat", stop_at_newline=newline, batch=batch)
+        chat = fmt == "chat"
+        completions = gen.generate(chunk, max_new, sampling, key, chat=chat, stop_at_newline=newline, batch=batch)
         for task, completion in zip(tasks[start : start + batch], completions, strict=True):
             well_formed, correct = check_answer(task["family"], json.loads(task["spec"]), completion.text)
             records.append(
@@ -179,6 +181,16 @@ def require_eval_memory(model_cfg: Any, cfg: EvalConfig, tasks: list[dict], long
     need += answers * cfg.max_new_tokens * ANSWER_BYTES_PER_TOKEN
     what = f"generating {answers:,} answers of up to eval.max_new_tokens {cfg.max_new_tokens} tokens"
     require_memory(need, "eval.max_new_tokens", what, fix="lower it or eval.task_batch_size")
+
+
+def lm_eval_metrics(model_dir: Path, cfg: EvalConfig, inputs: Path) -> dict[str, Any]:
+    """{"lm_eval": lm-eval's figures by task} of the tasks `eval.lm_eval_tasks` names (task YAMLs
+    under `inputs`), or {} when it names none: lm-eval, an optional extra, is imported only then."""
+    if not cfg.lm_eval_tasks:
+        return {}
+    from stagelm.measure.harness import evaluate_tasks
+
+    return {"lm_eval": evaluate_tasks(model_dir, cfg.lm_eval_tasks, cfg.lm_eval_limit, inputs, cfg.batch_size)}
 
 
 def best_temperature(by_temperature: dict[str, dict]) -> float:

@@ -192,10 +192,7 @@ class StagelmLM(TemplateLM):
             raise StagelmError(
                 "--system_instruction: stagelm's own chat format has no system turn; leave it out for this model"
             )
-        if add_generation_prompt:
-            ids = self.chat.prompt(messages)
-        else:
-            ids = self.chat.conversation(messages)[0]
+        ids = self.chat.prompt(messages) if add_generation_prompt else self.chat.conversation(messages)[0]
         return self.tok.decode(ids, skip_special_tokens=False)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
