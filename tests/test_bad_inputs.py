@@ -7,6 +7,7 @@ check, not a subprocess starting.
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -846,6 +847,14 @@ def test_export_gguf_never_writes_into_the_model_it_exports(monkeypatch, capsys,
         out = model_dir / target
         err = stagelm(monkeypatch, capsys, "export-gguf", str(model_dir), str(out), *(["--force"] if force else []))
         assert err == f"error: {out}: is inside the model being exported; give export-gguf a path outside {model_dir}\n"
+    pipe = tmp_path / "pipe.gguf"  # as /dev/null would be: --force must not put a file in its place
+    os.mkfifo(pipe)
+    err = stagelm(monkeypatch, capsys, "export-gguf", str(model_dir), str(pipe), "--force")
+    assert (
+        err == f"error: {pipe}: a device, pipe or socket, not a file; give export-gguf the path of a .gguf to write\n"
+    )
+    assert stat.S_ISFIFO(pipe.lstat().st_mode)
+    pipe.unlink()
     (tmp_path / "link").symlink_to(model_dir)  # the same folder by another name
     err = stagelm(monkeypatch, capsys, "export-gguf", str(model_dir), str(tmp_path / "link/x.gguf"))
     assert "is inside the model being exported" in err

@@ -186,7 +186,12 @@ class Server:
             with contextlib.suppress(RuntimeError):  # the event loop has closed (the server stopped)
                 loop.call_soon_threadsafe(settle, result, error)
 
-        threading.Thread(target=work, name="stagelm-prompt", daemon=True).start()
+        try:
+            threading.Thread(target=work, name="stagelm-prompt", daemon=True).start()
+        except RuntimeError:  # the system gives the process no more threads
+            with self.preparing_lock:
+                self.preparing -= 1
+            raise BadRequest("the server cannot start another thread now; retry later", status=503) from None
         try:
             return await done
         except BadRequest:

@@ -128,10 +128,15 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
 
 
 def check_gguf_target(model_dir: Path, out: Path) -> None:
-    """Refuse a GGUF path that is a folder or lies inside the model being exported (it would write
-    over the model's own files, or beside them where its hashes do not cover), as export-hf refuses it."""
+    """Refuse a GGUF path that is a folder, a device or a pipe (--force would put a file in its place), or
+    lies inside the model being exported (over the model's own files, or beside them where its hashes do not
+    cover), as export-hf refuses it."""
     if out.is_dir():
         raise StagelmError(f"{out}: a folder; give export-gguf the path of the .gguf file to write")
+    if os.path.lexists(out) and not (out.is_symlink() or out.is_file()):  # a rename would replace the node itself
+        raise StagelmError(
+            f"{out}: a device, pipe or socket, not a file; give export-gguf the path of a .gguf to write"
+        )
     if out.parent.resolve().is_relative_to(model_dir.resolve()):
         raise StagelmError(f"{out}: is inside the model being exported; give export-gguf a path outside {model_dir}")
 

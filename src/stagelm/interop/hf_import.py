@@ -226,12 +226,9 @@ def optional_json(path: Path, fix: str) -> dict[str, Any]:
     return read_json_object(path, fix) if os.path.lexists(path) else {}
 
 
-def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
-    """chat.json of a transformers checkpoint (stagelm.data.chatformat), from its tokenizer_config.json (or
-    chat_template.jinja) and generation_config.json and config.json ids; its template is None when
-    it has none (a base model: text only). Every token named must be in `tok`, its own tokenizer."""
-    config_path = hf_dir / "tokenizer_config.json"
-    config = optional_json(config_path, "give the checkpoint's own tokenizer_config.json, or none")
+def hf_template(hf_dir: Path, config: dict[str, Any], config_path: Path) -> tuple[str | None, Path]:
+    """(the checkpoint's chat template or None, the file it came from): chat_template.jinja when there is one
+    (transformers 4.43+ saves it apart), else tokenizer_config.json's, a string or named ones' 'default'."""
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         if not all(isinstance(t, dict) for t in template):
@@ -245,14 +242,23 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
         template = named.get("default")
     if template is not None and not isinstance(template, str):
         raise StagelmError(f"{config_path}: chat_template is {type(template).__name__}; expected a Jinja string")
-    template_path = config_path
-    if os.path.lexists(hf_dir / "chat_template.jinja"):  # transformers 4.43+ saves it apart
-        template_path = hf_dir / "chat_template.jinja"
-        data = read_regular_file(template_path, MAX_JSON_BYTES, "give the checkpoint's own template, or none")
-        try:
-            template = data.decode()
-        except UnicodeDecodeError as err:
-            raise StagelmError(f"{template_path}: not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
+    path = hf_dir / "chat_template.jinja"
+    if not os.path.lexists(path):
+        return template, config_path
+    data = read_regular_file(path, MAX_JSON_BYTES, "give the checkpoint's own template, or none")
+    try:
+        return data.decode(), path
+    except UnicodeDecodeError as err:
+        raise StagelmError(f"{path}: not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
+
+
+def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
+    """chat.json of a transformers checkpoint (stagelm.data.chatformat), from its tokenizer_config.json (or
+    chat_template.jinja) and generation_config.json and config.json ids; its template is None when
+    it has none (a base model: text only). Every token named must be in `tok`, its own tokenizer."""
+    config_path = hf_dir / "tokenizer_config.json"
+    config = optional_json(config_path, "give the checkpoint's own tokenizer_config.json, or none")
+    template, template_path = hf_template(hf_dir, config, config_path)
     generation = hf_dir / "generation_config.json"
     gen = optional_json(generation, "fix or remove it")
     model = read_json_object(hf_dir / "config.json", "a transformers checkpoint's config.json")
