@@ -97,3 +97,25 @@ def test_queued_experiments_both_finish_and_differ(project, tmp_path):
     assert set(by_name) == {"eval10", "eval20"}
     families = len(micro_params()["data"]["families"])
     assert (by_name["eval10"]["chat"]["n"], by_name["eval20"]["chat"]["n"]) == (10 * families, 20 * families)
+
+
+def test_lm_eval_tasks_rerun_only_the_evals_and_what_reads_them(project):
+    # The task ships in inputs/lm_eval/ (benchmarks/lm_eval_example_task.py wrote it), so the
+    # built project's download and pretrain already hashed it: naming it reruns only eval@M and
+    # the stages that read eval's metrics (export@M takes its sampling default from them, the report).
+    task = "inputs/lm_eval/arith_cloze.yaml"
+    edits = ["-S", f"eval.lm_eval_tasks=[{task}]", "-S", "eval.lm_eval_limit=40"]
+    out = run(["dvc", "exp", "run", "-n", "lmeval", *edits], project)
+    ran = {line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("Running stage")}
+    evals = {f"eval@{m}" for m in MODELS}
+    assert ran == {"params", "report"} | evals | {f"export@{m}" for m in EXPORTED}
+    diff = json.loads(run(["dvc", "metrics", "diff", "HEAD", "--json"], project).stdout)
+    for m in MODELS:
+        changed = diff[f"runs/eval/{m}/metrics.json"]
+        assert set(changed) == {
+            f"lm_eval.arith_cloze.{k}" for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "samples")
+        }
+        assert (
+            changed["lm_eval.arith_cloze.samples"]["new"] == 40 and 0 <= changed["lm_eval.arith_cloze.acc"]["new"] <= 1
+        )
+    assert "### lm-eval tasks" in (project / "runs/report.md").read_text()
