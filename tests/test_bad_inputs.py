@@ -127,7 +127,8 @@ def damage(model: Path, how: str) -> str:
         field = "rope_theta" if how == "config-rope-negative" else "norm_eps"
         raw[field] = -1.0
         config.write_text(json.dumps(raw))
-        return f"{config}: {field}: expected a positive float, got -1.0"
+        bound = "1e12" if field == "rope_theta" else "0.1"
+        return f"{config}: {field}: expected a positive float of at most {bound}, got -1.0"
     if how == "config-without-hashes":
         del raw["params_sha256"]
         config.write_text(json.dumps(raw))
@@ -1023,3 +1024,14 @@ def test_import_gguf_refuses_a_tensor_offset_out_of_place(monkeypatch, capsys, m
         "the file is damaged\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("key", "bound"), [("norm_eps", "0.1"), ("rope_theta", "1e12"), ("init_std", "1")])
+def test_check_bounds_a_decoders_real_numbers(monkeypatch, capsys, tmp_path, key, bound):
+    """An RMSNorm epsilon of 1e300 would train on, every activation flattened to zero: refused in
+    params.yaml as import-hf refuses it in a checkpoint's config.json."""
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", micro_params(model={key: 1e300}))
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    err = stagelm(monkeypatch, capsys, "check")
+    assert err == f"error: model.{key}: expected a positive float of at most {bound}, got 1e+300\n"

@@ -28,6 +28,11 @@ UNIT = (lambda v: 0 <= v <= 1, "a {type} in [0, 1]")
 DECAY = (lambda v: 0 <= v < 1, "a {type} in [0, 1) (at 1 the average never moves and Adam divides by 0)")
 MESH_AXIS = (lambda v: v == -1 or v >= 1, "-1 (infer) or a positive {type}")
 SEED = (lambda v: 0 <= v < 2**32, "an {type} in [0, 2**32)")  # what jax.random.key and numpy's generators take
+# A decoder's real numbers, bounded as a checkpoint's are on import (interop.llama_state.FLOAT_LIMITS):
+# an RMSNorm epsilon of 1e300 flattens every activation to zero, and trains on, silently.
+NORM_EPS = (lambda v: 0 < v <= 0.1, "a positive {type} of at most 0.1")
+ROPE_BASE = (lambda v: 0 < v <= 1e12, "a positive {type} of at most 1e12")
+INIT_STD = (lambda v: 0 < v <= 1, "a positive {type} of at most 1")
 
 
 def one_of(*choices: str) -> tuple:
@@ -163,8 +168,8 @@ class ModelShape:
 class ModelConfig(ModelShape):
     """The decoder pretrain builds (Llama-style), or the checkpoint it starts from."""
 
-    rope_theta: float = param("RoPE base frequency", POSITIVE)
-    norm_eps: float = param("RMSNorm epsilon", POSITIVE)
+    rope_theta: float = param("RoPE base frequency", ROPE_BASE)
+    norm_eps: float = param("RMSNorm epsilon", NORM_EPS)
     tie_embeddings: bool = param("share the input embedding with the output projection")
     dtype: str = param(
         "compute dtype of activations and matmuls (bfloat16 on accelerators)", one_of("float32", "bfloat16", "float16")
@@ -181,7 +186,7 @@ class ModelConfig(ModelShape):
         one_of("auto", "reference", "splash"),
     )
     scan_layers: bool = param("run the blocks as one scan: compile time no longer grows with n_layers")
-    init_std: float = param("standard deviation of the initial weights", POSITIVE)
+    init_std: float = param("standard deviation of the initial weights", INIT_STD)
     # A checkpoint brings its architecture and tokenizer; the run settings (RUN_SETTINGS) still apply.
     init_from: str | None = param(
         "null = from scratch; hf:<folder> (a transformers Llama checkpoint) or gguf:<file> (a llama GGUF) "
