@@ -100,3 +100,42 @@ def test_the_deadline_is_per_thread(tok):
         assert results["quick"] == "<|user|>quick<|end|>"
     hog.join()
     assert isinstance(results["slow"], ChatRenderError) and "took more than" in str(results["slow"])
+
+
+def test_renderings_that_take_turns_wait_a_slice_of_each_and_end_when_closed(tok):
+    """A server's renderings take turns (template_sandbox.Turns): ten that loop cost an ordinary one
+    a slice each, not their budget, and `close` ends every one still running or waiting at once."""
+    from stagelm.data.template_sandbox import CLOCK, STOPPING, Turns
+
+    turns = Turns()
+    looping = chat_format(tok, "{% if messages[0].content == 'loop' %}" + HANG + "{% endif %}" + TURN)
+    ordinary = chat_format(tok, TURN)
+    errors: list[str] = []
+
+    def render(chat: ChatFormat, content: str, took: dict | None = None) -> None:
+        CLOCK.turns = turns
+        t0 = time.monotonic()
+        try:
+            chat.render([{"role": "user", "content": content}], add_generation_prompt=True)
+        except ChatRenderError as err:
+            errors.append(err.reason)
+        if took is not None:
+            took["seconds"] = time.monotonic() - t0
+
+    hogs = [threading.Thread(target=render, args=(looping, "loop")) for _ in range(10)]
+    for hog in hogs:
+        hog.start()
+    time.sleep(0.3)
+    took: dict = {}
+    quick = threading.Thread(target=render, args=(ordinary, "hi", took))
+    quick.start()
+    quick.join()
+    assert not errors and took["seconds"] < MAX_RENDER_SECONDS / 4, took  # ten slices, not a budget
+    t0 = time.monotonic()
+    turns.close()
+    for hog in hogs:
+        hog.join()
+    assert time.monotonic() - t0 < 0.5 and errors == [STOPPING] * 10
+    render(ordinary, "hi")  # a rendering that starts after close is refused at once too
+    assert errors[-1] == STOPPING
+    CLOCK.turns = None

@@ -77,6 +77,8 @@ class Turns:
         """Wait for this thread's turn."""
         ticket = threading.Event()
         with self.lock:
+            if self.closed:
+                raise ChatRenderError(STOPPING)
             self.line.append(ticket)
             if len(self.line) == 1:
                 ticket.set()
