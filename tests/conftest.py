@@ -59,6 +59,7 @@ SLOWEST_FIRST = (
     "tests/interop/test_real_model.py",
     "tests/pipeline/test_dvc_experiments.py",
     "tests/post/test_grpo.py",
+    "tests/interop/test_lm_eval_real.py",
     "tests/post/test_distill.py",
     "tests/test_cluster.py",
     "tests/train/test_pretrain_stage.py",
@@ -66,6 +67,7 @@ SLOWEST_FIRST = (
     "tests/interop/test_hf.py",
     "tests/infer/test_serve.py",
     "tests/post/test_sft.py",
+    "tests/measure/test_harness.py",
     "tests/model/test_attention_kernels.py",
 )
 
