@@ -218,6 +218,7 @@ IMPORTS = [  # (config.json changes, or a file's bytes, → the words of the err
     ({"rms_norm_eps": 1e300}, "rms_norm_eps = 1e+300; expected a positive number of at most 0.1"),
     ({"rope_theta": 1e300}, "rope_theta = 1e+300; expected a positive number of at most 1e+12"),
     ({"config.json": b"[" * 100_000 + b"]" * 100_000}, "config.json: JSON nested too deeply to read"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config (gptq) is set; stagelm"),
     ({"config.json": b"{not json"}, "config.json: not valid JSON"),
     ({"model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"}, "not a readable safetensors file"),
     ({"tokenizer.json": b'{"version": "1.0", "model": 3}'}, "tokenizer.json: not a valid tokenizer.json"),

@@ -139,3 +139,17 @@ def test_renderings_that_take_turns_wait_a_slice_of_each_and_end_when_closed(tok
     render(ordinary, "hi")  # a rendering that starts after close is refused at once too
     assert errors[-1] == STOPPING
     CLOCK.turns = None
+
+
+def test_a_model_without_a_template_tells_a_client_why_without_its_path(tok):
+    from stagelm.infer.openai_api import BadRequest, chat_prompt
+
+    spec = {"template": None, "eos_token": EOS, "pad_token": PAD, "stop_tokens": [EOS]}
+    chat = ChatFormat(tok, spec, source="/home/someone/models/m/chat.json")
+    with pytest.raises(BadRequest) as refused:
+        chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, chat)
+    assert refused.value.message == (
+        "this model has no chat template, so it takes text only; use the completion format (/v1/completions)"
+    )
+    with pytest.raises(ChatRenderError, match="^/home/someone/models/m/chat.json: the checkpoint has no chat template"):
+        chat.user_prompt("hi")  # the command line names the file

@@ -85,10 +85,11 @@ class ChatFormat:
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         """The template's text for `messages` (each {role, content}), bounded in time and size."""
-        if self.compiled is None:
-            raise StagelmError(
+        if self.compiled is None:  # a server tells its clients the reason, not the model's path
+            raise ChatRenderError(
                 f"{self.source}: the checkpoint has no chat template, so it takes text only (no chat); add its "
-                "template as `template` there, or use the completion format"
+                "template as `template` there, or use the completion format",
+                "this model has no chat template, so it takes text only; use the completion format (/v1/completions)",
             )
         variables = {k: self.spec.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         pieces, size = [], 0

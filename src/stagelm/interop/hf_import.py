@@ -93,6 +93,12 @@ def import_config(hf_dir: Path) -> tuple[DecoderConfig, int]:
     c = read_json_object(path, "hf:<dir> must be a local transformers checkpoint directory")
     if c.get("model_type") != "llama":
         raise StagelmError(f"{path}: model_type {c.get('model_type')!r}; stagelm imports 'llama' checkpoints only")
+    if c.get("quantization_config") is not None:  # packed or scaled weights: refused by name, not by a tensor
+        method = c["quantization_config"].get("quant_method") if isinstance(c["quantization_config"], dict) else None
+        raise StagelmError(
+            f"{path}: quantization_config ({str(method)[:20]}) is set; stagelm imports unquantized weights: give the "
+            "checkpoint in float32, float16 or bfloat16"
+        )
     for field, value in FIXED.items():
         if c.get(field, value) != value:
             raise StagelmError(f"{path}: {field} = {c[field]!r} is not supported (stagelm's decoder has {value!r})")
