@@ -21,8 +21,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval_tasks import write_tasks  # noqa: E402  (tests/measure/)
 
 from stagelm.data.tokenizer import load_tokenizer  # noqa: E402
+from stagelm.infer.scoring import pack_rows, share_prefixes  # noqa: E402
 from stagelm.infra.errors import StagelmError  # noqa: E402
-from stagelm.measure.harness import StagelmLM, metrics_of, pack_rows, resolve_tasks, share_prefixes  # noqa: E402
+from stagelm.measure.harness import StagelmLM, metrics_of, resolve_tasks  # noqa: E402
 from stagelm.model.decoder import Decoder, DecoderConfig  # noqa: E402
 from stagelm.model.modeldir import save_model  # noqa: E402
 
@@ -96,7 +97,7 @@ def test_a_task_of_many_requests_compiles_the_scorer_a_handful_of_times(model_di
     rng = np.random.default_rng(0)
     pairs = [(f"Work out {a} plus {b}:", f" {a + b}.") for a, b in rng.integers(0, 99, (300, 2))]
     lm.loglikelihood([request("loglikelihood", p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
-    assert lm._score._cache_size() <= 2  # one row width; the query count of the last batch may differ
+    assert lm.scorer._score._cache_size() <= 2  # one row width; the query count of the last batch may differ
 
 
 def test_rolling_loglikelihood_is_lm_evals_windows_scored_alone(lm, model_dir):

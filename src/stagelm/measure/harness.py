@@ -6,14 +6,11 @@
 `StagelmLM` answers lm-eval's three request types for any model folder the lab reads
 (trained here, or imported from transformers or GGUF), on whatever device JAX has:
 
-- `loglikelihood` (multiple choice, cloze): every request's input, context and
-  continuation less its last token, is scored in one forward pass. Inputs that are a
-  prefix of another input ride in its row (a multiple-choice item with one-token choices
-  costs one input, not one per choice), and the rest are packed into rows of one width,
-  each a segment of its own with positions from 0, so no padding is computed and
-  attention never crosses requests. Only the positions a continuation is read at go
-  through the output layer. Row width and query count are bucketed to powers of two,
-  so a whole task compiles a handful of times.
+- `loglikelihood` (multiple choice, cloze): every request's input, its context and
+  continuation less the last token, is scored by `stagelm.infer.scoring.Scorer`: inputs
+  that are a prefix of another ride in its row (a multiple-choice item whose choices differ
+  in their last token costs one input), the rest are packed into rows with no padding,
+  and only the positions read go through the output layer.
 - `loglikelihood_rolling` (perplexity): lm-eval's own rolling windows, scored the same way.
 - `generate_until`: `stagelm.infer.generate.Generator`'s KV-cached loop, in batches of
   similar prompt lengths, stopping at the end-of-sequence token (and the end of turn under
@@ -31,16 +28,13 @@ The class registers itself with lm-eval as `stagelm` when this module is importe
 lm-eval's own models do.
 """
 
-import dataclasses
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from lm_eval import utils as lm_utils
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
@@ -50,52 +44,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from stagelm.data.chatformat import load_chat_format
 from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infer.generate import Generator, Sampling
+from stagelm.infer.scoring import Scored, Scorer
 from stagelm.infra.errors import StagelmError
 from stagelm.model.modeldir import load_model, read_model_context
-
-MIN_WIDTH = 32  # the narrowest row bucket
-MIN_QUERIES = 64  # the fewest query slots of a forward pass
-QUERY_CHUNK = 512  # continuation positions through the output layer at once (bounds its (Q, V) logits)
-
-
-@dataclasses.dataclass
-class Scored:
-    """One input to score: its tokens and the (position, token) pairs read from it, by request."""
-
-    tokens: tuple[int, ...]
-    reads: list[tuple[int, int, int]]  # (request index, position in this input, target token)
-
-
-def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
-    """First-fit-decreasing packing of items of `lengths` into rows of `width`: each row a list of
-    item indices (every length must be <= width)."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, left in enumerate(room):
-            if lengths[i] <= left:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(width - lengths[i])
-    return rows
-
-
-def share_prefixes(inputs: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """Each distinct input mapped to the input whose row computes it: the longest input it is a
-    prefix of (causal attention: a prefix's logits are the same inside the longer row)."""
-    ordered = sorted(set(inputs))
-    host: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for i in range(len(ordered) - 1, -1, -1):  # an input's extensions sort right after it
-        seq, nxt = ordered[i], ordered[i + 1] if i + 1 < len(ordered) else None
-        host[seq] = host[nxt] if nxt is not None and nxt[: len(seq)] == seq else seq
-    return host
-
-
-def bucket(n: int, floor: int) -> int:
-    return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
 @register_model("stagelm")
@@ -135,8 +86,7 @@ class StagelmLM(TemplateLM):
             raise StagelmError("--model_args: max_length must be >= 2 and max_gen_toks >= 1")
         self.chat_rendered = False  # set once lm-eval renders a prompt with the chat template
         self._instances: dict[int, Instance] = {}  # the loglikelihood requests being scored, to name one
-        self.graphdef, self.params = nnx.split(self.model)
-        self._score = jax.jit(self._score_fn)
+        self.scorer = Scorer(self.model, self.batch_size, self._max_length)
         self.gen = Generator(self.model, self.tok, self._max_length, self.chat)
 
     @classmethod
@@ -216,63 +166,6 @@ class StagelmLM(TemplateLM):
 
     # --- loglikelihood ---------------------------------------------------------------------
 
-    def _score_fn(
-        self, params: Any, tokens: jax.Array, seg: jax.Array, pos: jax.Array, rows: jax.Array, at: jax.Array, target
-    ) -> tuple[jax.Array, jax.Array]:
-        """(log-probability, is-argmax) of each query's `target` token, read at (rows, at) of the batch."""
-        model = nnx.merge(self.graphdef, params)
-        h = model.hidden(tokens, seg, pos)  # (R, W, D)
-        picked = h[rows, at]  # (Q, D): only the positions read go through the output layer
-
-        def chunk(args: tuple) -> tuple[jax.Array, jax.Array]:
-            hq, tq = args
-            logits = model.logits(hq[None])[0].astype(jnp.float32)  # (C, V)
-            logp = jnp.take_along_axis(logits, tq[:, None], 1)[:, 0] - jax.nn.logsumexp(logits, -1)
-            return logp, jnp.argmax(logits, -1) == tq
-
-        size = min(QUERY_CHUNK, picked.shape[0])
-        shaped = (picked.reshape(-1, size, picked.shape[-1]), target.reshape(-1, size))
-        logp, greedy = jax.lax.map(chunk, shaped)
-        return logp.reshape(-1), greedy.reshape(-1)
-
-    def score_inputs(self, items: list[Scored], n_requests: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sum of log-probabilities, all greedy) per request index, over every read of `items`."""
-        logp = np.zeros(n_requests, np.float64)
-        greedy = np.ones(n_requests, bool)
-        host = share_prefixes([it.tokens for it in items])
-        hosted: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
-        for it in items:
-            hosted.setdefault(host[it.tokens], []).extend(it.reads)
-        seqs = list(hosted)
-        width = min(bucket(max(len(s) for s in seqs), MIN_WIDTH), -(-self._max_length // 16) * 16)
-        rows = pack_rows([len(s) for s in seqs], width)
-        for start in range(0, len(rows), self.batch_size):
-            batch = rows[start : start + self.batch_size]
-            self._score_batch([[seqs[i] for i in row] for row in batch], hosted, width, logp, greedy)
-        return logp, greedy
-
-    def _score_batch(self, rows: list[list[tuple]], hosted: dict, width: int, logp, greedy) -> None:
-        shape = (self.batch_size, width)
-        tokens, seg, pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-        queries: list[tuple[int, int, int, int]] = []  # (row, column, target, request)
-        for r, row in enumerate(rows):
-            col = 0
-            for s, seq in enumerate(row, 1):
-                tokens[r, col : col + len(seq)], seg[r, col : col + len(seq)] = seq, s
-                pos[r, col : col + len(seq)] = np.arange(len(seq))
-                queries += [(r, col + at, target, req) for req, at, target in hosted[seq]]
-                col += len(seq)
-        q = bucket(len(queries), MIN_QUERIES)  # a power of two: a whole number of QUERY_CHUNKs, or less
-        table = np.zeros((q, 3), np.int32)
-        table[: len(queries)] = [(r, c, t) for r, c, t, _ in queries]
-        out_logp, out_greedy = self._score(
-            self.params, *map(jnp.asarray, (tokens, seg, pos, table[:, 0], table[:, 1], table[:, 2]))
-        )
-        out_logp, out_greedy = np.asarray(out_logp), np.asarray(out_greedy)
-        for k, (_, _, _, req) in enumerate(queries):
-            logp[req] += float(out_logp[k])
-            greedy[req] &= bool(out_greedy[k])
-
     def _too_long(self, request: Any, length: int) -> StagelmError:
         where = f"task {request.task_name} doc {request.doc_id}" if isinstance(request, Instance) else "a request"
         return StagelmError(
@@ -292,7 +185,7 @@ class StagelmLM(TemplateLM):
             items.append(Scored(tuple(whole[:-1]), [(i, start + j, t) for j, t in enumerate(continuation)]))
         if not items:
             return []
-        logp, greedy = self.score_inputs(items, len(items))
+        logp, greedy = self.scorer.score(items, len(items))
         out = [(float(a), bool(b)) for a, b in zip(logp, greedy, strict=True)]
         for (key, _, _), answer in zip(requests, out, strict=True):
             if key is not None:

@@ -1,0 +1,135 @@
+"""Scoring many token sequences at once: the log-probability of chosen tokens at chosen positions.
+
+What lm-eval's loglikelihood requests need (`stagelm.measure.harness`), on any device: each
+input is a token sequence and the (position, token) pairs to read from it. Inputs that are a
+prefix of another input ride in its row (causal attention: the prefix's logits are the same
+there), and the rest are packed first-fit into rows of one width, each a segment of its own
+with positions from 0, so no padding is computed and attention never crosses inputs. Only
+the positions read go through the output layer, in chunks, so the (positions, vocab) logits
+stay small. Row width and query count are bucketed to powers of two: a whole task compiles a
+handful of times.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from stagelm.model.decoder import Decoder
+
+MIN_WIDTH = 32  # the narrowest row bucket
+MIN_QUERIES = 64  # the fewest query slots of a forward pass
+QUERY_CHUNK = 512  # continuation positions through the output layer at once (bounds its (Q, V) logits)
+
+
+@dataclasses.dataclass
+class Scored:
+    """One input to score: its tokens and the (position, token) pairs read from it, by request."""
+
+    tokens: tuple[int, ...]
+    reads: list[tuple[int, int, int]]  # (request index, position in this input, target token)
+
+
+OPEN_ROWS = 64  # rows still tried for each item when packing (keeps packing linear in the items)
+
+
+def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """First-fit-decreasing packing of items of `lengths` into rows of `width`, trying the last
+    `OPEN_ROWS` rows opened: each row a list of item indices (every length must be <= width)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        first = max(0, len(rows) - OPEN_ROWS)
+        for r in range(first, len(rows)):
+            if lengths[i] <= room[r]:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
+def share_prefixes(inputs: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Each distinct input mapped to the input whose row computes it: the longest input it is a
+    prefix of (causal attention: a prefix's logits are the same inside the longer row)."""
+    ordered = sorted(set(inputs))
+    host: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for i in range(len(ordered) - 1, -1, -1):  # an input's extensions sort right after it
+        seq, nxt = ordered[i], ordered[i + 1] if i + 1 < len(ordered) else None
+        host[seq] = host[nxt] if nxt is not None and nxt[: len(seq)] == seq else seq
+    return host
+
+
+def bucket(n: int, floor: int) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+class Scorer:
+    """Scores `Scored` inputs with `model`, `batch_size` rows of a forward pass, no input past `max_length`."""
+
+    def __init__(self, model: Decoder, batch_size: int, max_length: int):
+        self.model, self.batch_size, self.max_length = model, batch_size, max_length
+        self.graphdef, self.params = nnx.split(model)
+        self._score = jax.jit(self._score_fn)
+
+    def _score_fn(
+        self, params: Any, tokens: jax.Array, seg: jax.Array, pos: jax.Array, rows: jax.Array, at: jax.Array, target
+    ) -> tuple[jax.Array, jax.Array]:
+        """(log-probability, is-argmax) of each query's `target` token, read at (rows, at) of the batch."""
+        model = nnx.merge(self.graphdef, params)
+        h = model.hidden(tokens, seg, pos)  # (R, W, D)
+        picked = h[rows, at]  # (Q, D): only the positions read go through the output layer
+
+        def chunk(args: tuple) -> tuple[jax.Array, jax.Array]:
+            hq, tq = args
+            logits = model.logits(hq[None])[0].astype(jnp.float32)  # (C, V)
+            logp = jnp.take_along_axis(logits, tq[:, None], 1)[:, 0] - jax.nn.logsumexp(logits, -1)
+            return logp, jnp.argmax(logits, -1) == tq
+
+        size = min(QUERY_CHUNK, picked.shape[0])
+        shaped = (picked.reshape(-1, size, picked.shape[-1]), target.reshape(-1, size))
+        logp, greedy = jax.lax.map(chunk, shaped)
+        return logp.reshape(-1), greedy.reshape(-1)
+
+    def score(self, items: list[Scored], n_requests: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sum of log-probabilities, all greedy) per request index, over every read of `items`."""
+        logp = np.zeros(n_requests, np.float64)
+        greedy = np.ones(n_requests, bool)
+        host = share_prefixes([it.tokens for it in items])
+        hosted: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+        for it in items:
+            hosted.setdefault(host[it.tokens], []).extend(it.reads)
+        seqs = list(hosted)
+        width = min(bucket(max(len(s) for s in seqs), MIN_WIDTH), -(-self.max_length // 16) * 16)
+        rows = pack_rows([len(s) for s in seqs], width)
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start : start + self.batch_size]
+            self._score_batch([[seqs[i] for i in row] for row in batch], hosted, width, logp, greedy)
+        return logp, greedy
+
+    def _score_batch(self, rows: list[list[tuple]], hosted: dict, width: int, logp, greedy) -> None:
+        shape = (self.batch_size, width)
+        tokens, seg, pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+        queries: list[tuple[int, int, int, int]] = []  # (row, column, target, request)
+        for r, row in enumerate(rows):
+            col = 0
+            for s, seq in enumerate(row, 1):
+                tokens[r, col : col + len(seq)], seg[r, col : col + len(seq)] = seq, s
+                pos[r, col : col + len(seq)] = np.arange(len(seq))
+                queries += [(r, col + at, target, req) for req, at, target in hosted[seq]]
+                col += len(seq)
+        q = bucket(len(queries), MIN_QUERIES)  # a power of two: a whole number of QUERY_CHUNKs, or less
+        table = np.zeros((q, 3), np.int32)
+        table[: len(queries)] = [(r, c, t) for r, c, t, _ in queries]
+        out_logp, out_greedy = self._score(
+            self.params, *map(jnp.asarray, (tokens, seg, pos, table[:, 0], table[:, 1], table[:, 2]))
+        )
+        out_logp, out_greedy = np.asarray(out_logp), np.asarray(out_greedy)
+        for k, (_, _, _, req) in enumerate(queries):
+            logp[req] += float(out_logp[k])
+            greedy[req] &= bool(out_greedy[k])
