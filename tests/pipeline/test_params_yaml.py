@@ -98,6 +98,18 @@ def test_corpus_paths_must_lie_in_the_folder_dvc_hashes(tmp_path):
     validate_params(micro_params(data={"source": "files:/data/c/*.txt", "inputs": "/data/c"}))
 
 
+def test_lm_eval_tasks_must_lie_in_the_folder_dvc_hashes_and_lm_eval_be_installed(monkeypatch):
+    validate_params(micro_params(eval={"lm_eval_tasks": ["inputs/lm_eval/arith_cloze.yaml", "hellaswag"]}))
+    with pytest.raises(Exception, match=r"^eval\.lm_eval_tasks: '/tmp/t\.yaml' lies outside data\.inputs 'inputs'"):
+        validate_params(micro_params(eval={"lm_eval_tasks": ["/tmp/t.yaml"]}))
+    with pytest.raises(Exception, match=r"^eval\.lm_eval_tasks: expected a list of distinct task names"):
+        validate_params(micro_params(eval={"lm_eval_tasks": ["hellaswag", "hellaswag"]}))
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if the eval extra were not installed
+    validate_params(micro_params(eval={"lm_eval_tasks": []}))  # nothing asked of it: fine without it
+    with pytest.raises(Exception, match=r"^eval\.lm_eval_tasks: lm-eval is not installed; pip install -e '\.\[eval\]'"):
+        validate_params(micro_params(eval={"lm_eval_tasks": ["hellaswag"]}))
+
+
 @pytest.mark.parametrize(
     ("data", "grpo", "words"),
     [
