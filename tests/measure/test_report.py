@@ -1,6 +1,6 @@
 """The report's sentences on post-training: each stage against its parent at each one's best temperature."""
 
-from stagelm.measure.report import at_best_temperatures, beats_control
+from stagelm.measure.report import at_best_temperatures, beats_control, lm_eval_table
 
 
 def eval_of(sampled: float, temps: dict[str, float], n: int = 1000) -> dict:
@@ -55,3 +55,16 @@ def test_a_student_that_does_not_clear_the_bar_over_its_control_is_told_so():
         ["arithmetic"],
     )
     assert said.endswith("(arithmetic greedy +2.997 SE)")
+
+
+def test_lm_evals_figures_are_a_table_with_their_standard_errors_and_none_without_them():
+    figures = {"arith_cloze": {"acc": 0.915, "acc_stderr": 0.0197, "samples": 200}}
+    gsm = {"gsm8k": {"strict-match": {"exact_match": 0.25, "exact_match_stderr": 0.04}, "samples": 40}}
+    models = [
+        {"name": "pretrain", "eval": {"lm_eval": figures}},
+        {"name": "sft", "eval": {"lm_eval": {**figures, **gsm}}},
+    ]
+    table = lm_eval_table(models)
+    assert table[0] == "| model | arith_cloze acc | gsm8k strict-match.exact_match |"
+    assert table[2] == "| pretrain | 0.915 ± 0.02 |  |" and table[3] == "| sft | 0.915 ± 0.02 | 0.25 ± 0.04 |"
+    assert lm_eval_table([{"name": "pretrain", "eval": {}}]) == []
