@@ -885,6 +885,13 @@ def test_temporary_names_beside_a_target_are_never_a_users(monkeypatch, capsys, 
         {name.split("/")[0] for name in mine}
     )  # and nothing of the commands' own is left
     assert oct((tmp_path / "hf").stat().st_mode & 0o777) == oct((tmp_path / "model").stat().st_mode & 0o777)
+    (tmp_path / "elsewhere").mkdir()  # a target that is a link is written where it leads, the link kept
+    for command, source, target in (("export-hf", model_dir, "hf"), ("import-hf", tmp_path / "hf", "imported")):
+        (tmp_path / "elsewhere" / target).symlink_to(tmp_path / target)
+        monkeypatch.setattr(sys, "argv", ["stagelm", command, str(source), str(tmp_path / "elsewhere" / target)])
+        cli.main()
+        assert (tmp_path / "elsewhere" / target).is_symlink() and (tmp_path / target / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["hf", "imported"]
 
 
 # --- import-hf reads regular files only, each up to a size --------------------------------------

@@ -113,6 +113,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, sampling: dict[str, fl
     from safetensors.numpy import save
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    out_dir = out_dir.resolve() if out_dir.is_symlink() else out_dir  # written where a link leads, built beside it
     check_export_target(model_dir, out_dir)
     model = load_model(model_dir)
     if model.cfg.lora_rank:
