@@ -382,7 +382,7 @@ def stage_cmd(script: str, micro_data: Path, model: Path | None = None) -> list[
         "pretrain.py": ["--train", str(packed / "train"), "--val", str(packed / "val")]
         + ["--tokenizer", str(tokenizer / "tokenizer.json"), "--out", "out", "--checkpoints", "ckpt"],
         "eval.py": ["--model", str(model), "--name", "m", "--format", "chat", "--val", str(packed / "val")]
-        + ["--raw", str(micro_data / "raw"), "--out", "eval"],
+        + ["--raw", str(micro_data / "raw"), "--inputs", str(micro_data), "--out", "eval"],
         "benchmark.py": ["--packed", str(packed / "train"), "--out", "bench"],
         "download.py": ["--out", "raw"],
     }[script]

@@ -209,7 +209,7 @@ def test_pipeline_starts_from_a_local_hf_checkpoint_in_its_own_chat_format(micro
     stage(
         "eval",
         *("--model", "sft/model", "--name", "sft", "--format", "chat", "--val", "packed/val", "--raw", raw),
-        *("--out", "eval"),
+        *("--inputs", ".", "--out", "eval"),
     )
     metrics = json.loads((work / "eval/metrics.json").read_text())
     assert np.isfinite(metrics["val_loss"])
