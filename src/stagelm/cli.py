@@ -287,8 +287,6 @@ def serve(args: argparse.Namespace) -> None:
         raise StagelmError("--name: expected a non-empty name")
     if any(not host.strip() for host in args.allow_host):  # "" would answer requests that name no host
         raise StagelmError("--allow-host: expected a host name, got ''")
-    if any(not host.strip() for host in args.allow_host):  # "" would answer requests that name no host
-        raise StagelmError("--allow-host: expected a host name, got ''")
     hosts = tuple(args.allow_host)
     serve(args.model_dir, args.host, args.port, args.slots, args.queue, args.name, hosts, args.header_timeout)
 
