@@ -11,7 +11,8 @@ is the device's published bf16 peak over a forward pass's FLOPs per token (a thi
 parameter, the output layer included, plus causal attention), so a share of it is the
 forward pass's MFU; the scorer runs the output layer at the continuation positions alone,
 which this count does not credit. Times are the mean of `--repetitions` calls after one
-that compiles; each call packs, transfers and scores the whole workload.
+that compiles; each call packs, transfers and scores the whole workload. `device_seconds`
+times the same forward passes alone, on arrays already on the device.
 """
 
 import argparse
@@ -66,6 +67,12 @@ def measure(scorer: Scorer, cfg: DecoderConfig, name: str, items: int, repetitio
     for _ in range(repetitions):
         scorer.score(work, requests)
     seconds = (time.perf_counter() - start) / repetitions
+    # The device alone: the same forward passes on arrays already there, back to back.
+    batches = [tuple(jax.device_put(a) for a in arrays) for arrays, _ in scorer.batches(work)]
+    jax.block_until_ready([scorer._score(scorer.params, *b) for b in batches])
+    start = time.perf_counter()
+    jax.block_until_ready([scorer._score(scorer.params, *b) for b in batches])
+    device = time.perf_counter() - start
     length = context + cont - 1
     forward = flops_per_token(cfg, length) / 3
     peak = peak_flops("bfloat16")
@@ -81,6 +88,9 @@ def measure(scorer: Scorer, cfg: DecoderConfig, name: str, items: int, repetitio
         "forward_flops_per_token": forward,
         "bound_tokens_per_s": round(peak / forward) if peak else None,
         "share_of_bound": round(tokens / seconds * forward / peak, 3) if peak else None,
+        "forward_passes": len(batches),
+        "device_seconds": round(device, 3),
+        "device_share_of_bound": round(tokens / device * forward / peak, 3) if peak else None,
     }
 
 
@@ -92,8 +102,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048, help="the longest input the scorer takes")
     parser.add_argument("--items", type=int, default=1024)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--attention", default="auto", choices=("auto", "reference", "splash"))
     args = parser.parse_args()
-    cfg = DecoderConfig(**SHAPES[args.shape], dtype="bfloat16", param_dtype="float32")
+    cfg = DecoderConfig(**SHAPES[args.shape], dtype="bfloat16", param_dtype="float32", attention=args.attention)
     scorer = Scorer(Decoder(cfg, nnx.Rngs(0)), args.batch_size, args.width)
     entries = []
     for name in WORKLOADS:
@@ -109,6 +120,7 @@ def main() -> None:
         "shape": args.shape,
         "dtype": "bfloat16 compute, float32 weights",
         "batch_size": args.batch_size,
+        "attention": args.attention,
         "entries": entries,
     }
     args.out.write_text(json.dumps(record, indent=2) + "\n")

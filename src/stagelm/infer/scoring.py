@@ -11,6 +11,7 @@ handful of times.
 """
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -97,9 +98,20 @@ class Scorer:
         return logp.reshape(-1), greedy.reshape(-1)
 
     def score(self, items: list[Scored], n_requests: int) -> tuple[np.ndarray, np.ndarray]:
-        """(sum of log-probabilities, all greedy) per request index, over every read of `items`."""
+        """(sum of log-probabilities, all greedy) per request index, over every read of `items`.
+
+        Every batch is dispatched before any result is read back, so the host lays out the
+        next batch while the device scores the last one."""
+        pending = [(self._score(self.params, *map(jnp.asarray, arrays)), reqs) for arrays, reqs in self.batches(items)]
         logp = np.zeros(n_requests, np.float64)
         greedy = np.ones(n_requests, bool)
+        for (out_logp, out_greedy), requests in pending:
+            np.add.at(logp, requests, np.asarray(out_logp)[: len(requests)])
+            np.logical_and.at(greedy, requests, np.asarray(out_greedy)[: len(requests)])
+        return logp, greedy
+
+    def batches(self, items: list[Scored]) -> Iterator[tuple[tuple, np.ndarray]]:
+        """The forward passes `items` take: each batch's arrays (`layout`) and the request of each query."""
         host = share_prefixes([it.tokens for it in items])
         hosted: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
         for it in items:
@@ -108,11 +120,10 @@ class Scorer:
         width = min(bucket(max(len(s) for s in seqs), MIN_WIDTH), -(-self.max_length // 16) * 16)
         rows = pack_rows([len(s) for s in seqs], width)
         for start in range(0, len(rows), self.batch_size):
-            batch = rows[start : start + self.batch_size]
-            self._score_batch([[seqs[i] for i in row] for row in batch], hosted, width, logp, greedy)
-        return logp, greedy
+            yield self.layout([[seqs[i] for i in row] for row in rows[start : start + self.batch_size]], hosted, width)
 
-    def _score_batch(self, rows: list[list[tuple]], hosted: dict, width: int, logp, greedy) -> None:
+    def layout(self, rows: list[list[tuple]], hosted: dict, width: int) -> tuple[tuple, np.ndarray]:
+        """((tokens, segments, positions, query rows, columns, targets) of one batch, the request of each query)."""
         shape = (self.batch_size, width)
         tokens, seg, pos = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32)
         queries: list[tuple[int, int, int, int]] = []  # (row, column, target, request)
@@ -123,13 +134,6 @@ class Scorer:
                 pos[r, col : col + len(seq)] = np.arange(len(seq))
                 queries += [(r, col + at, target, req) for req, at, target in hosted[seq]]
                 col += len(seq)
-        q = bucket(len(queries), MIN_QUERIES)  # a power of two: a whole number of QUERY_CHUNKs, or less
-        table = np.zeros((q, 3), np.int32)
-        table[: len(queries)] = [(r, c, t) for r, c, t, _ in queries]
-        out_logp, out_greedy = self._score(
-            self.params, *map(jnp.asarray, (tokens, seg, pos, table[:, 0], table[:, 1], table[:, 2]))
-        )
-        out_logp, out_greedy = np.asarray(out_logp), np.asarray(out_greedy)
-        for k, (_, _, _, req) in enumerate(queries):
-            logp[req] += float(out_logp[k])
-            greedy[req] &= bool(out_greedy[k])
+        table = np.zeros((bucket(len(queries), MIN_QUERIES), 4), np.int32)  # a power of two of query slots
+        table[: len(queries)] = queries
+        return (tokens, seg, pos, table[:, 0], table[:, 1], table[:, 2]), table[: len(queries), 3]
