@@ -69,9 +69,9 @@ def measure(scorer: Scorer, cfg: DecoderConfig, name: str, items: int, repetitio
     seconds = (time.perf_counter() - start) / repetitions
     # The device alone: the same forward passes on arrays already there, back to back.
     batches = [tuple(jax.device_put(a) for a in arrays) for arrays, _ in scorer.batches(work)]
-    jax.block_until_ready([scorer._score(scorer.params, *b) for b in batches])
+    jax.block_until_ready([scorer.forward(b) for b in batches])
     start = time.perf_counter()
-    jax.block_until_ready([scorer._score(scorer.params, *b) for b in batches])
+    jax.block_until_ready([scorer.forward(b) for b in batches])
     device = time.perf_counter() - start
     length = context + cont - 1
     forward = flops_per_token(cfg, length) / 3

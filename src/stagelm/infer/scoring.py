@@ -6,8 +6,9 @@ prefix of another input ride in its row (causal attention: the prefix's logits a
 there), and the rest are packed first-fit into rows of one width, each a segment of its own
 with positions from 0, so no padding is computed and attention never crosses inputs. Only
 the positions read go through the output layer, in chunks, so the (positions, vocab) logits
-stay small. Row width and query count are bucketed to powers of two: a whole task compiles a
-handful of times.
+stay small. The row width is the aligned width, one to four times the longest input, whose rows
+cost least (padding against attention over a wider row), and query counts are powers of two: a
+whole task compiles a handful of times.
 """
 
 import dataclasses
@@ -21,7 +22,14 @@ from flax import nnx
 
 from stagelm.model.decoder import Decoder
 
-MIN_WIDTH = 32  # the narrowest row bucket
+ALIGN = 128  # row widths are multiples of the TPU's lane width (splash's block)
+# On a v5e the reference kernel's softmax over a row costs about 4.6 times its FLOPs' share of a
+# forward pass (1,024 rows of 128 against 832 of 512 and 1,024 of 640: 2.2, 3.3 and 3.7 µs per
+# 1,000 row positions), and it beats splash at rows up to 1,024 wide (47.7% of the forward
+# bound against 34.2% at 128, 36.8% against 18.6% at 640; splash 2% ahead at 512).
+ATTENTION_COST = 4.6
+REFERENCE_UP_TO = 1024
+WIDTHS = 4  # widths tried: 1 to 4 times the longest input, aligned
 MIN_QUERIES = 64  # the fewest query slots of a forward pass
 QUERY_CHUNK = 512  # continuation positions through the output layer at once (bounds its (Q, V) logits)
 
@@ -66,6 +74,17 @@ def share_prefixes(inputs: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple
     return host
 
 
+def row_width(lengths: list[int], longest_allowed: int, attention_share: float) -> int:
+    """The row width that computes `lengths` cheapest: of the aligned widths from the longest input to
+    `WIDTHS` times it (at most `longest_allowed`, aligned), the one whose rows cost least, a row of
+    width W costing W·(1 + W·`attention_share`) (its matmuls, and attention over the whole row)."""
+    base = -(-max(lengths) // ALIGN) * ALIGN
+    top = max(base, -(-longest_allowed // ALIGN) * ALIGN)
+    widths = [w for w in range(base, min(top, WIDTHS * base) + 1, ALIGN)]
+    cost = {w: len(pack_rows(lengths, w)) * w * (1 + w * attention_share) for w in widths}
+    return min(widths, key=lambda w: (cost[w], w))
+
+
 def bucket(n: int, floor: int) -> int:
     return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
@@ -76,13 +95,27 @@ class Scorer:
     def __init__(self, model: Decoder, batch_size: int, max_length: int):
         self.model, self.batch_size, self.max_length = model, batch_size, max_length
         self.graphdef, self.params = nnx.split(model)
-        self._score = jax.jit(self._score_fn)
+        self._score = jax.jit(self._score_fn, static_argnums=0)
+        cfg = model.cfg
+        # Rows up to REFERENCE_UP_TO wide attend with the reference kernel whatever the model's setting.
+        plain = nnx.eval_shape(lambda: Decoder(dataclasses.replace(cfg, attention="reference"), nnx.Rngs(0)))
+        self.reference = nnx.split(plain)[0]
+        # Attention's FLOPs per token per position of the row over the matmuls' per token, times what
+        # its softmax costs beyond its FLOPs (on a v5e: benchmarks/accelerator-scoring-*.json).
+        matmul = 2 * cfg.d_model * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.d_model * cfg.d_ff
+        self.attention_share = ATTENTION_COST * 2 * cfg.n_heads * cfg.head_dim / matmul
+
+    def forward(self, arrays: tuple) -> tuple[jax.Array, jax.Array]:
+        """One batch's (log-probabilities, greedy) on the device, dispatched, not waited for."""
+        graphdef = self.reference if arrays[0].shape[1] <= REFERENCE_UP_TO else self.graphdef
+        return self._score(graphdef, self.params, *map(jnp.asarray, arrays))
 
     def _score_fn(
-        self, params: Any, tokens: jax.Array, seg: jax.Array, pos: jax.Array, rows: jax.Array, at: jax.Array, target
+        self, graphdef: Any, params: Any, tokens: jax.Array, seg: jax.Array, pos: jax.Array, *queries: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        """(log-probability, is-argmax) of each query's `target` token, read at (rows, at) of the batch."""
-        model = nnx.merge(self.graphdef, params)
+        """(log-probability, is-argmax) of each query's target token, read at its (row, column) of the batch."""
+        rows, at, target = queries
+        model = nnx.merge(graphdef, params)
         h = model.hidden(tokens, seg, pos)  # (R, W, D)
         picked = h[rows, at]  # (Q, D): only the positions read go through the output layer
 
@@ -102,7 +135,7 @@ class Scorer:
 
         Every batch is dispatched before any result is read back, so the host lays out the
         next batch while the device scores the last one."""
-        pending = [(self._score(self.params, *map(jnp.asarray, arrays)), reqs) for arrays, reqs in self.batches(items)]
+        pending = [(self.forward(arrays), requests) for arrays, requests in self.batches(items)]
         logp = np.zeros(n_requests, np.float64)
         greedy = np.ones(n_requests, bool)
         for (out_logp, out_greedy), requests in pending:
@@ -117,7 +150,7 @@ class Scorer:
         for it in items:
             hosted.setdefault(host[it.tokens], []).extend(it.reads)
         seqs = list(hosted)
-        width = min(bucket(max(len(s) for s in seqs), MIN_WIDTH), -(-self.max_length // 16) * 16)
+        width = row_width([len(s) for s in seqs], self.max_length, self.attention_share)
         rows = pack_rows([len(s) for s in seqs], width)
         for start in range(0, len(rows), self.batch_size):
             yield self.layout([[seqs[i] for i in row] for row in rows[start : start + self.batch_size]], hosted, width)
