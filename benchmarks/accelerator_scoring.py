@@ -1,7 +1,7 @@
 """lm-eval's loglikelihood engine on one device: stagelm.infer.scoring.Scorer's tokens per second
 against a forward pass's bound, on the SmolLM2-135M shape with random weights. Writes one JSON.
 
-    python benchmarks/accelerator_scoring.py --out benchmarks/accelerator-scoring-<date>.json [--shape micro]
+    python benchmarks/accelerator_scoring.py --out benchmarks/lm-eval-tpu-<date>.json [--shape micro]
 
 Two workloads of random tokens, as lm-eval's multiple-choice tasks ask: `hellaswag-like`
 (contexts of 80 tokens, four continuations of 20: no input shares another's prefix) and

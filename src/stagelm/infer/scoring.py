@@ -101,7 +101,7 @@ class Scorer:
         plain = nnx.eval_shape(lambda: Decoder(dataclasses.replace(cfg, attention="reference"), nnx.Rngs(0)))
         self.reference = nnx.split(plain)[0]
         # Attention's FLOPs per token per position of the row over the matmuls' per token, times what
-        # its softmax costs beyond its FLOPs (on a v5e: benchmarks/accelerator-scoring-*.json).
+        # its softmax costs beyond its FLOPs (on a v5e: benchmarks/lm-eval-tpu-*.json).
         matmul = 2 * cfg.d_model * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.d_model * cfg.d_ff
         self.attention_share = ATTENTION_COST * 2 * cfg.n_heads * cfg.head_dim / matmul
 
