@@ -217,6 +217,7 @@ IMPORTS = [  # (config.json changes, or a file's bytes, → the words of the err
     ({"rms_norm_eps": "small"}, "rms_norm_eps = 'small'; expected a positive number"),
     ({"rms_norm_eps": 1e300}, "rms_norm_eps = 1e+300; expected a positive number of at most 0.1"),
     ({"rope_theta": 1e300}, "rope_theta = 1e+300; expected a positive number of at most 1e+12"),
+    ({"partial_rotary_factor": 0.5}, "config.json: partial_rotary_factor 0.5 is not 1.0"),  # transformers 4's spelling
     ({"config.json": b"[" * 100_000 + b"]" * 100_000}, "config.json: JSON nested too deeply to read"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config (gptq) is set; stagelm"),
     ({"config.json": b"{not json"}, "config.json: not valid JSON"),
@@ -689,6 +690,7 @@ GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
     ({"tokenizer.ggml.add_bos_token": ("yes", "STRING")}, {}, "add_bos_token = 'yes'; expected true or false"),
     ({"tokenizer.ggml.pre": (["smollm"], "ARRAY", "STRING")}, {}, "tokenizer.ggml.pre ['smollm'] is not a pre-"),
     ({"tokenizer.ggml.merges": (5, "UINT32")}, {}, "tokenizer.ggml.merges is '5', not a list"),
+    ({"tokenizer.ggml.merges": None}, {}, "tokenizer.ggml.merges missing; a byte-level BPE needs them"),
     ({"tokenizer.ggml.eos_token_id": (True, "BOOL")}, {}, "tokenizer.ggml.eos_token_id True is not a token id"),
     (
         {"llama.attention.layer_norm_rms_epsilon": (1e30, "FLOAT32")},
@@ -821,6 +823,15 @@ def test_import_hf_never_replaces_a_model_trained_here(monkeypatch, capsys, mode
         "imported_from); give import-hf a new or empty folder\n"
     )
     assert tree_bytes(tmp_path) == before
+    trained = tmp_path / "trained"  # an imported_from that names no source is no import either
+    shutil.copytree(model_dir, trained)
+    for value in (None, "", False):
+        config = json.loads((trained / "config.json").read_text())
+        (trained / "config.json").write_text(json.dumps({**config, "imported_from": value}))
+        before = tree_bytes(trained)
+        err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(trained))
+        assert "holds a stagelm model that was trained" in err
+        assert tree_bytes(trained) == before
 
 
 def test_export_hf_never_replaces_a_checkpoint_it_did_not_write(monkeypatch, capsys, model_dir, tmp_path):

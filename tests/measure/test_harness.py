@@ -23,7 +23,7 @@ from lm_eval_tasks import write_tasks  # noqa: E402  (tests/measure/)
 from stagelm.data.tokenizer import load_tokenizer  # noqa: E402
 from stagelm.infer.scoring import pack_rows, share_prefixes  # noqa: E402
 from stagelm.infra.errors import StagelmError  # noqa: E402
-from stagelm.measure.harness import StagelmLM, metrics_of, resolve_tasks  # noqa: E402
+from stagelm.measure.harness import StagelmLM, lm_eval_argv, metrics_of, resolve_tasks  # noqa: E402
 from stagelm.model.decoder import Decoder, DecoderConfig  # noqa: E402
 from stagelm.model.modeldir import save_model  # noqa: E402
 
@@ -202,3 +202,8 @@ def test_lm_eval_reads_the_model_arguments_and_refuses_unknown_ones(model_dir):
         StagelmLM.create_from_arg_string(f"pretrained={model_dir},dtype=bfloat16")
     with pytest.raises(StagelmError, match=r"^pretrained=.*: not a stagelm model folder"):
         StagelmLM(str(ROOT / "docs"))
+    with pytest.raises(StagelmError, match=r"^--model_args: pretrained=<model dir> is required"):
+        StagelmLM.create_from_arg_string("batch_size=4")
+    with pytest.raises(StagelmError, match=r"^--limit: expected a positive count .*, got '-1'"):
+        lm_eval_argv(["--model_args", f"pretrained={model_dir}", "--tasks", "t", "--limit", "-1"])
+    assert lm_eval_argv(["--tasks", "t", "--limit", "0.5"])[:4] == ["lm-eval", "run", "--model", "stagelm"]

@@ -98,6 +98,14 @@ def test_corpus_paths_must_lie_in_the_folder_dvc_hashes(tmp_path):
     validate_params(micro_params(data={"source": "files:/data/c/*.txt", "inputs": "/data/c"}))
 
 
+def test_sizes_no_machine_runs_are_refused_before_any_stage():
+    with pytest.raises(Exception, match=r"^training\.steps: expected a positive int of at most 1,000,000,000"):
+        validate_params(micro_params(training={"steps": 10**30}))
+    with pytest.raises(Exception, match=r"^tokenizer\.vocab_size: expected a positive int of at most 2,097,152"):
+        validate_params(micro_params(tokenizer={"vocab_size": 10**9}))
+    validate_params(micro_params(tokenizer={"vocab_size": 262144}))  # Gemma's vocabulary: fine
+
+
 def test_lm_eval_tasks_must_lie_in_the_folder_dvc_hashes_and_lm_eval_be_installed(monkeypatch):
     validate_params(micro_params(eval={"lm_eval_tasks": ["inputs/lm_eval/arith_cloze.yaml", "hellaswag"]}))
     with pytest.raises(Exception, match=r"^eval\.lm_eval_tasks: '/tmp/t\.yaml' lies outside data\.inputs 'inputs'"):

@@ -226,7 +226,9 @@ def gguf_vocabulary(reader: Any, path: Path) -> tuple[list[str], list[int], list
             f"{path}: tokenizer.ggml.token_type holds {str(wrong)[:40]!r}, not one of llama.cpp's token types "
             f"{TOKEN_TYPES.start} to {TOKEN_TYPES.stop - 1}; the file is damaged"
         )
-    found = field(reader, "tokenizer.ggml.merges", [])
+    found = field(reader, "tokenizer.ggml.merges", None)
+    if found is None:  # llama.cpp refuses a BPE vocabulary without its merges: every word would split to characters
+        raise StagelmError(f"{path}: tokenizer.ggml.merges missing; a byte-level BPE needs them, the file is damaged")
     if not isinstance(found, list):
         raise StagelmError(f"{path}: tokenizer.ggml.merges is {str(found)[:40]!r}, not a list; the file is damaged")
     vocab, merges = set(tokens), []

@@ -74,6 +74,8 @@ def rope_theta(c: dict[str, Any], path: Path) -> float:
             raise StagelmError(f"{path}: {name} sets {extra}, which stagelm's RoPE does not implement")
         if block.get("partial_rotary_factor", 1.0) != 1.0:
             raise StagelmError(f"{path}: {name}.partial_rotary_factor {block['partial_rotary_factor']!r} is not 1.0")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:  # transformers 4's top-level spelling of the same
+        raise StagelmError(f"{path}: partial_rotary_factor {c['partial_rotary_factor']!r} is not 1.0")
     found = {
         "rope_theta": c.get("rope_theta"),
         "rope_parameters.rope_theta": params.get("rope_theta") if isinstance(params, dict) else None,

@@ -41,7 +41,9 @@ def check_import_target(out_dir: Path) -> None:
         raise StagelmError(
             f"{out_dir}: holds {others[:3]}, not only a previous import; give import-hf a new or empty folder"
         )
-    if names and "imported_from" not in described:  # a model trained here: its weights are no import's to replace
+    # A model trained here (no imported_from naming a source): its weights are no import's to replace.
+    imported = described.get("imported_from") if isinstance(described, dict) else None
+    if names and not (isinstance(imported, str) and imported.strip()):
         raise StagelmError(
             f"{out_dir}: holds a stagelm model that was trained, not imported (its config.json has no "
             "imported_from); give import-hf a new or empty folder"

@@ -93,6 +93,8 @@ class StagelmLM(TemplateLM):
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> "StagelmLM":
         """lm-eval's construction from --model_args and its own flags (--batch_size, --device ...):
         a key given in --model_args wins over the same flag."""
+        if "pretrained" not in arg_dict:
+            raise StagelmError("--model_args: pretrained=<model dir> is required; give the stagelm model folder")
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)
 
@@ -277,11 +279,22 @@ def lm_eval_argv(args: list[str]) -> list[str]:
         return ["lm-eval", "run", "--help"]
     if any(a == "--model" or a.startswith("--model=") for a in rest):
         raise StagelmError("--model: implied (stagelm); give the model folder as --model_args pretrained=<dir>")
+    for flag, value in zip(rest, rest[1:], strict=False):
+        if flag == "--limit" and not positive_number(value):
+            raise StagelmError(f"--limit: expected a positive count (or a fraction in (0, 1]), got {value!r}")
     return ["lm-eval", "run", "--model", "stagelm", *rest]
+
+
+def positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def run_cli(args: list[str]) -> None:
     """`stagelm lm-eval ARGS`: lm-eval's own command line with `--model stagelm` implied."""
+    import yaml
     from lm_eval.__main__ import cli_evaluate
 
     argv = lm_eval_argv(args)
@@ -289,7 +302,7 @@ def run_cli(args: list[str]) -> None:
     sys.argv = argv
     try:
         cli_evaluate()
-    except (ValueError, KeyError, FileNotFoundError, AssertionError) as err:
+    except (ValueError, KeyError, FileNotFoundError, AssertionError, yaml.YAMLError) as err:
         raise StagelmError(f"lm-eval: {one_line(err)}") from None
     finally:
         sys.argv = saved

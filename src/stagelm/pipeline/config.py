@@ -120,7 +120,10 @@ def inside(pattern: str, folder: str) -> bool:
 class TokenizerConfig:
     """The byte-level BPE tokenizer that the tokenizer stage trains on the train split."""
 
-    vocab_size: int = param("vocabulary size: the 256 bytes, the special tokens and the merges BPE learns", POSITIVE)
+    vocab_size: int = param(
+        "vocabulary size: the 256 bytes, the special tokens and the merges BPE learns",
+        (lambda v: 0 < v <= 1 << 21, "a positive {type} of at most 2,097,152"),  # BPE's merge table must fit memory
+    )
     min_frequency: int = param("a pair merges only if it occurs at least this often", POSITIVE)
     # A cap, so BPE's time and memory do not grow with the corpus.
     max_train_chars: int = param(
@@ -229,7 +232,7 @@ class OptimizerConfig:
     beta2: float = param("Adam's second-moment decay", DECAY)
     eps: float = param("Adam's epsilon", POSITIVE)
     grad_clip: float = param("global-norm gradient clip; 0 = off", NON_NEGATIVE)
-    steps: int = param("optimizer steps", POSITIVE)
+    steps: int = param("optimizer steps", (lambda v: 0 < v <= 10**9, "a positive {type} of at most 1,000,000,000"))
     eval_every: int = param("steps between val-loss evaluations", POSITIVE)
     eval_batches: int = param("val batches per evaluation", POSITIVE)
     # Execution settings: read by the stage, but no DVC param and not in the resume
