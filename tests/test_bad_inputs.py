@@ -691,6 +691,7 @@ GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
     ({"tokenizer.ggml.pre": (["smollm"], "ARRAY", "STRING")}, {}, "tokenizer.ggml.pre ['smollm'] is not a pre-"),
     ({"tokenizer.ggml.merges": (5, "UINT32")}, {}, "tokenizer.ggml.merges is '5', not a list"),
     ({"tokenizer.ggml.merges": None}, {}, "tokenizer.ggml.merges missing; a byte-level BPE needs them"),
+    ({"llama.expert_count": (8, "UINT32")}, {}, "llama.expert_count is 8; stagelm imports dense Llama models only"),
     ({"tokenizer.ggml.eos_token_id": (True, "BOOL")}, {}, "tokenizer.ggml.eos_token_id True is not a token id"),
     (
         {"llama.attention.layer_norm_rms_epsilon": (1e30, "FLOAT32")},
@@ -823,6 +824,10 @@ def test_import_hf_never_replaces_a_model_trained_here(monkeypatch, capsys, mode
         "imported_from); give import-hf a new or empty folder\n"
     )
     assert tree_bytes(tmp_path) == before
+    inside = hf / "sub"  # a folder inside the checkpoint it reads (which DVC may hash) is never a target
+    err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(inside))
+    assert err == f"error: {inside}: inside the checkpoint {hf} it reads; write the import somewhere else\n"
+    assert not inside.exists()
     trained = tmp_path / "trained"  # an imported_from that names no source is no import either
     shutil.copytree(model_dir, trained)
     for value in (None, "", False):

@@ -95,6 +95,9 @@ def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         if field(reader, f"llama.{key}") not in (None, d // heads):
             raise StagelmError(f"{path}: llama.{key} {field(reader, f'llama.{key}')} is not the head size {d // heads}")
+    experts = field(reader, "llama.expert_count")
+    if experts not in (None, 0):  # a mixture of experts: its tensors are not a dense Llama's
+        raise StagelmError(f"{path}: llama.expert_count is {experts!r}; stagelm imports dense Llama models only")
     scaling = field(reader, "llama.rope.scaling.type")
     if scaling not in (None, "none"):
         raise StagelmError(f"{path}: llama.rope.scaling.type {scaling!r}; stagelm's RoPE has no scaling")

@@ -55,6 +55,8 @@ def import_into(source: Path, out_dir: Path) -> Checkpoint:
     with its own tokenizer and chat spec; a target holding anything else is refused first. A target that
     is a link is written where it leads (the new folder is built beside it, then renamed into place)."""
     out_dir = out_dir.resolve() if out_dir.is_symlink() else out_dir
+    if source.is_dir() and out_dir.resolve().is_relative_to(source.resolve()):
+        raise StagelmError(f"{out_dir}: inside the checkpoint {source} it reads; write the import somewhere else")
     check_import_target(out_dir)
     generation = source / GENERATION_FILE  # a transformers folder's sampling defaults, checked before the weights
     exists = source.is_dir() and os.path.lexists(generation)  # a link to nothing, a pipe or a device: refused
