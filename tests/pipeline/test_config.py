@@ -31,7 +31,7 @@ def test_micro_params_parse():
         ("pack", "seq_len", 1, "pack.seq_len: expected an int >= 2, got 1"),
         ("training", "lr", "fast", "training.lr: expected a positive float, got 'fast'"),
         ("training", "lr", -1.0, "training.lr: expected a positive float, got -1.0"),
-        ("training", "steps", True, "training.steps: expected a positive int, got True"),
+        ("training", "steps", True, "training.steps: expected a positive int of at most 1,000,000,000, got True"),
         (
             "training",
             "schedule",
