@@ -40,6 +40,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from tokenizers import Tokenizer
 
 from stagelm.data.chatformat import load_chat_format
 from stagelm.data.tokenizer import load_tokenizer
@@ -85,6 +86,10 @@ class StagelmLM(TemplateLM):
         if self._max_length < 2 or self.max_gen_toks < 1:
             raise StagelmError("--model_args: max_length must be >= 2 and max_gen_toks >= 1")
         self.chat_rendered = False  # set once lm-eval renders a prompt with the chat template
+        # The tokenizer that reads special tokens' spellings as the tokens (a template's own copy, or
+        # one of stagelm's format, whose markers are added tokens), for those renderings only.
+        self.marked = self.chat.marked if self.chat.spec is not None else Tokenizer.from_str(self.tok.to_str())
+        self.marked.encode_special_tokens = False
         self._instances: dict[int, Instance] = {}  # the loglikelihood requests being scored, to name one
         self.scorer = Scorer(self.model, self.batch_size, self._max_length)
         self.gen = Generator(self.model, self.tok, self._max_length, self.chat)
@@ -148,23 +153,13 @@ class StagelmLM(TemplateLM):
         return self.tok.decode(ids, skip_special_tokens=False)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        encoder = self.chat.marked if self.chat_rendered and self.chat.spec is not None else self.tok
-        if self.chat_rendered and self.chat.spec is None:  # stagelm's format: its markers are added tokens
-            encoder = self._marked()
+        encoder = self.marked if self.chat_rendered else self.tok  # a rendering's special tokens are tokens
         ids = encoder.encode(string, add_special_tokens=False).ids
         bos = self.chat.bos
         wants_bos = add_special_tokens if add_special_tokens is not None else self.chat.add_bos
         if add_special_tokens is None and bos is not None and string.startswith(self.tok.decode([bos], False)):
             wants_bos = False  # the text already starts with it (lm-eval's has_bos_prefix)
         return [bos, *ids] if wants_bos and bos is not None and self.chat.add_bos else ids
-
-    def _marked(self) -> Any:
-        if not hasattr(self, "_marked_tok"):
-            from tokenizers import Tokenizer
-
-            self._marked_tok = Tokenizer.from_str(self.tok.to_str())
-            self._marked_tok.encode_special_tokens = False
-        return self._marked_tok
 
     # --- loglikelihood ---------------------------------------------------------------------
 
