@@ -163,7 +163,7 @@ def safetensors_dtypes(file: Path) -> dict[str, str]:
 
 def weight_files(hf_dir: Path) -> dict[Path, set[str] | None]:
     """The safetensors files to read, each with the tensors model.safetensors.index.json puts in it (None
-    without an index: then every *.safetensors file, none of whose tensors may repeat another's)."""
+    without an index: then every ``*.safetensors`` file, none of whose tensors may repeat another's)."""
     index = hf_dir / INDEX_FILE
     if not os.path.lexists(index):
         files = sorted(hf_dir.glob("*.safetensors"))
