@@ -250,7 +250,7 @@ def benchmark_claims() -> None:
     keys = [
         "train.tokens_per_sec",
         "train.first_call_seconds",
-        "train.mfu",
+        "train.matmul_fraction",
         "decode.cached_b1.tokens_per_sec",
         "decode.cached_b8.tokens_per_sec",
         "decode.naive_b1.tokens_per_sec",

@@ -11,7 +11,7 @@ from stagelm.measure.benchmark import summary, timed
 KEYS = [
     ("train", "tokens_per_sec"),
     ("train", "first_call_seconds"),
-    ("train", "mfu"),
+    ("train", "matmul_fraction"),
     ("decode", "cached_b1", "tokens_per_sec"),
     ("decode", "cached_b8", "tokens_per_sec"),
     ("decode", "naive_b1", "tokens_per_sec"),
@@ -51,13 +51,15 @@ def test_benchmark_stage_writes_stable_keys_and_raw_samples(micro_data, tmp_path
     out = run(benchmark_command(micro_data, tmp_path), tmp_path)
     assert out.stdout.startswith("benchmark: train ")
     metrics = json.loads((tmp_path / "out/metrics.json").read_text())
-    assert metrics["schema_version"] == 1
+    assert metrics["schema_version"] == 2
     for path in KEYS:
         value = metrics
         for key in path:
             value = value[key]
         assert isinstance(value, float) and value > 0, path
-    assert 0 < metrics["train"]["mfu"] < 1.5  # against a matmul measured in the same run
+    assert 0 < metrics["train"]["matmul_fraction"] < 1.5  # against a matmul measured in the same run
+    assert metrics["train"]["mfu"] is None  # MFU only against a published peak: a CPU has none
+    assert "no published peak" in out.stdout and "MFU" not in out.stdout
     env = metrics["environment"]
     assert env["backend"] == "cpu" and env["device_count"] >= 1 and env["jax"] and env["threads"] >= 1
     assert "commit" in metrics  # None here: the work dir is no git checkout (the pipeline test has one)
@@ -122,3 +124,29 @@ def test_a_profile_groups_ops_by_kind_and_counts_a_loop_once():
         ("%copy.1", 0.1),
     ]
     assert profile["top_ops"][0][0].startswith("%fusion.12 = f32[2,2048]{1,0}")
+
+
+def test_mfu_is_against_the_published_peak_and_the_matmul_figure_is_named_apart(monkeypatch):
+    """A device with a published peak: `train.mfu` is the model's FLOPs over that peak, whatever
+    the in-run matmul reached; the matmul-relative figure (here above 1) is `matmul_fraction`."""
+    import stagelm.measure.benchmark as benchmark
+    from stagelm.model.decoder import flops_per_token
+    from stagelm.pipeline.params import load_section
+
+    cfg = load_section(micro_params(), "benchmark")
+    samples = {
+        "train.tokens_per_sec": [1e5],
+        "train.step_seconds": [0.1],
+        "matmul.flops_per_sec": [1e9],
+        "loader.batches_per_sec": [1e3],
+        "loader.tokens_per_sec": [1e7],
+        **{f"decode.{k}_b{b}.tokens_per_sec": [100.0] for k in ("cached", "naive") for b in (1, 8)},
+        **{f"decode.cached_b{b}.prefill_seconds": [0.01] for b in (1, 8)},
+    }
+    flops = 1e5 * flops_per_token(benchmark.decoder_config(cfg), cfg.seq_len)
+    monkeypatch.setattr(benchmark, "peak_flops", lambda dtype: 1e15)
+    train = benchmark.benchmark_metrics(cfg, samples, 1.0)["train"]
+    assert train["mfu"] == pytest.approx(flops / 1e15) and train["mfu"] <= 1
+    assert train["matmul_fraction"] == pytest.approx(flops / 1e9) and train["matmul_fraction"] > 1
+    lines = benchmark.benchmark_lines(benchmark.benchmark_metrics(cfg, samples, 1.0))
+    assert f"MFU {flops / 1e15:.1%} of the device's published peak" in lines[0]
