@@ -17,12 +17,13 @@ from pathlib import Path
 from stagelm.data.loader import PackedRows
 from stagelm.infra.errors import run_main
 from stagelm.model.decoder import count_params
-from stagelm.model.modeldir import PARAMS_FILE, read_model_config, read_model_context, save_model
+from stagelm.model.modeldir import PARAMS_FILE, read_model_config, read_model_context, run_settings, save_model
 from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.post.distill import distill_objective
 from stagelm.post.student import (
     as_control,
     check_student,
+    distill_line,
     distill_rows,
     distill_splits,
     generated_steps,
@@ -53,21 +54,17 @@ def main() -> None:
     check_student(cfg, read_model_config(args.teacher), args.teacher)
     splits = distill_splits(cfg, args.corpus, args.sft)
     rows, val_rows = distill_rows(splits, args.teacher / "tokenizer.json"), PackedRows(args.val)
-    read = {"distill": section_dict(cfg), "seed": seed, "control": args.control}
+    settings = run_settings(load_section(stage.params, "model"))  # model.attention, remat, scan_layers
+    read = {"distill": section_dict(cfg), "seed": seed, "control": args.control, "model": settings}
     inputs = {"teacher": args.teacher / PARAMS_FILE, "val": args.val / "manifest.json"}
     inputs |= {f"data_{i}": d / "manifest.json" for i, d in enumerate(splits)}
     inputs |= {"raw": args.raw / "manifest.json"} if generated else {}
     run = training_run(stage, mesh, seed, read, inputs)
 
-    model, init = make_distiller(cfg, args.teacher, seed)
+    model, init = make_distiller(cfg, args.teacher, seed, settings)
     batches = on_policy_batches(cfg, model, rows, args.teacher, args.raw, seed) if generated else None
     n_student, n_teacher = count_params(model.student), count_params(model.teacher)
-    print(
-        f"distill: student {n_student:,} params from teacher {n_teacher:,} (init: {init}); alpha {cfg.alpha}, "
-        f"T {cfg.temperature}, {cfg.kl} KL, data {cfg.data}, on-policy share {cfg.on_policy}, "
-        f"teacher-answer share {cfg.sequence}; fingerprint {run.fingerprint}",
-        flush=True,
-    )
+    print(f"{distill_line(cfg, n_student, n_teacher, init)}; fingerprint {run.fingerprint}", flush=True)
     result = train(model, cfg, rows, val_rows, run, batches=batches, **distill_objective(cfg, args.control))
     extra = {"params_count": n_student, "context_len": read_model_context(args.teacher), "teacher": str(args.teacher)}
     save_model(args.out / "model", result.model.student, args.teacher / "tokenizer.json", extra)

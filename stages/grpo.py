@@ -21,7 +21,7 @@ from stagelm.infra.errors import run_main
 from stagelm.infra.files import read_json, write_json
 from stagelm.model.decoder import count_params
 from stagelm.model.lora import merge_lora, trainable_part
-from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
+from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_context, run_settings, save_model
 from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.post.grpo import grpo_loss
 from stagelm.post.rollouts import Rollouts, require_rollout_memory, rollout_sets, rollout_summary
@@ -42,11 +42,12 @@ def main() -> None:
     val_rows = PackedRows(args.val)
     val_rows.require_tokenizer(tokenizer_file)
     tasks, anchor = rollout_sets(args.raw, cfg)
-    read = {"grpo": section_dict(cfg), "seed": seed}
+    settings = run_settings(load_section(stage.params, "model"))  # model.attention, remat, scan_layers
+    read = {"grpo": section_dict(cfg), "seed": seed, "model": settings}
     inputs = {"model": args.model / PARAMS_FILE, "rl": args.raw / "manifest.json", "val": args.val / "manifest.json"}
     run = training_run(stage, mesh, seed, read, inputs)
 
-    model = load_model(args.model, mesh)  # sharded like training: rollouts run on the same mesh
+    model = load_model(args.model, mesh, settings)  # sharded like training: rollouts run on the same mesh
     model, trainable = trainable_part(model, cfg.method, cfg.lora, nnx.Rngs(seed), "grpo.lora")
     context = read_model_context(args.model)
     gen = Generator(model, load_tokenizer(tokenizer_file), context)

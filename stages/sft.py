@@ -16,7 +16,7 @@ from stagelm.data.loader import PackedRows
 from stagelm.infra.errors import run_main
 from stagelm.model.decoder import count_params
 from stagelm.model.lora import trainable_part
-from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_context, save_model
+from stagelm.model.modeldir import PARAMS_FILE, load_model, read_model_context, run_settings, save_model
 from stagelm.pipeline.params import load_section, load_seed, section_dict
 from stagelm.post.sft import finish_sft, sft_rows
 from stagelm.train.loop import train
@@ -30,12 +30,13 @@ def main() -> None:
     seed = load_seed(stage.params)
 
     rows, val_rows = sft_rows(cfg, args.train, args.corpus, args.model), PackedRows(args.val)
-    read = {"sft": section_dict(cfg), "seed": seed}
+    settings = run_settings(load_section(stage.params, "model"))  # model.attention, remat, scan_layers
+    read = {"sft": section_dict(cfg), "seed": seed, "model": settings}
     inputs = {"model": args.model / PARAMS_FILE, "train": args.train / "manifest.json"}
     inputs |= {"val": args.val / "manifest.json", **({"corpus": args.corpus / "manifest.json"} if cfg.replay else {})}
     run = training_run(stage, mesh, seed, read, inputs)
 
-    model = load_model(args.model, mesh)  # sharded as training places it, in every process
+    model = load_model(args.model, mesh, settings)  # sharded as training places it, in every process
     model, trainable = trainable_part(model, cfg.method, cfg.lora, nnx.Rngs(seed), "sft.lora")
     n_train = sum(x.size for x in jax.tree.leaves(nnx.state(model, trainable)))
     print(

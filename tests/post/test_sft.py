@@ -182,3 +182,37 @@ def test_sft_refuses_a_model_with_another_vocab(micro_data, tmp_path):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "vocab 123 is smaller than" in line
+
+
+def test_a_loaded_model_computes_with_the_run_settings_it_is_given(pretrained):
+    """model.attention, model.remat and model.scan_layers of params.yaml replace what config.json
+    holds or lacks (it keeps no device setting), with the same math."""
+    from stagelm.model.modeldir import run_settings
+
+    params = micro_params(model={"remat": "dots", "scan_layers": True, "attention": "reference"})
+    loaded = load_model(pretrained, settings=run_settings(load_section(params, "model")))
+    plain = load_model(pretrained)
+    assert (loaded.cfg.remat, loaded.cfg.scan_layers, loaded.cfg.attention) == ("dots", True, "reference")
+    assert (plain.cfg.remat, plain.cfg.scan_layers) == ("none", False)
+    seg = np.ones((2, 24), np.int32)
+    tokens = np.arange(48, dtype=np.int32).reshape(2, 24) % plain.cfg.vocab_size
+    pos = np.tile(np.arange(24, dtype=np.int32), (2, 1))
+    np.testing.assert_allclose(nnx.jit(loaded)(tokens, seg, pos), nnx.jit(plain)(tokens, seg, pos), atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo", "distill"])
+def test_every_training_stage_reads_model_attention_from_params_yaml(stage, micro_data, pretrained, tmp_path, capsys):
+    """The setting reaches the model each post-training stage trains: `model.attention: splash` on
+    this CPU is refused in one line, as pretrain refuses it (before, these stages ran `auto`)."""
+    from conftest import run_in_process
+    from test_distill import distill_command
+    from test_grpo import grpo_command
+
+    command = {"sft": sft_command, "grpo": grpo_command, "distill": distill_command}[stage]
+    write_params(tmp_path / "params.yaml", micro_params(model={"attention": "splash"}))
+    code, stderr = run_in_process(command(micro_data, pretrained, tmp_path), capsys)
+    assert code == 2
+    assert stderr.strip() == (
+        "error: model.attention: splash is a TPU kernel and this process runs on cpu; "
+        "set model.attention: auto (the device's own kernel) or reference"
+    )

@@ -34,6 +34,7 @@ from stagelm.data.tokenizer import CHAT_FILE
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import atomic_write_bytes, copy_file, read_json_object, sha256_file, write_json
 from stagelm.infra.mesh import param_shardings
+from stagelm.model.attention_kernels import require_kernel
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.pipeline.config import NON_NEGATIVE, POSITIVE, ModelConfig
 from stagelm.pipeline.params import check_value
@@ -223,10 +224,22 @@ def verify_model_files(model_dir: Path) -> None:
             )
 
 
-def load_model(model_dir: str | Path, mesh: jax.sharding.Mesh | None = None) -> Decoder:
-    """The Decoder saved in `model_dir`, its params sharded over `mesh` by their logical axes when given."""
+def run_settings(model: ModelConfig) -> dict[str, Any]:
+    """How a training stage computes with a model folder it reads: params.yaml's `model.attention`,
+    `model.remat` and `model.scan_layers` (config.json keeps no device setting, and its remat is
+    the setting of the run that wrote it)."""
+    return {"attention": model.attention, "remat": model.remat, "scan_layers": model.scan_layers}
+
+
+def load_model(
+    model_dir: str | Path, mesh: jax.sharding.Mesh | None = None, settings: dict[str, Any] | None = None
+) -> Decoder:
+    """The Decoder saved in `model_dir`, its params sharded over `mesh` by their logical axes when
+    given, computing with `settings` (`run_settings`) where given."""
     model_dir = Path(model_dir).resolve()
-    cfg = read_model_config(model_dir)
+    cfg = dataclasses.replace(read_model_config(model_dir), **(settings or {}))
+    if settings:  # a training stage: splash off a TPU is refused in one line, as pretrain refuses it
+        require_kernel(cfg.attention, read_model_context(model_dir))
     verify_model_files(model_dir)
     params_file = model_dir / PARAMS_FILE
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))

@@ -10,6 +10,7 @@ The control run (`as_control`) trains the same student with the teacher's terms 
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,21 +31,20 @@ from stagelm.train.batches import PackedBatches
 
 def check_prunable(student: StudentConfig, teacher: DecoderConfig, teacher_dir: Path) -> None:
     """Refuse, naming the key, a `distill.student` shape that `student_from_teacher` cannot cut from the teacher."""
-    for key in ("d_model", "n_heads", "n_kv_heads"):
-        mine, theirs = getattr(student, key), getattr(teacher, key)
-        if mine != theirs:
-            raise StagelmError(
-                f"distill.student.{key}: {mine} differs from the teacher's {theirs} ({teacher_dir}); with "
-                "distill.init: teacher the student keeps the teacher's embeddings and attention, so set it "
-                "to the teacher's (or distill.init: scratch)"
-            )
-    for key in ("n_layers", "d_ff"):
-        mine, theirs = getattr(student, key), getattr(teacher, key)
-        if mine > theirs:
-            raise StagelmError(
-                f"distill.student.{key}: {mine} is more than the teacher's {theirs} ({teacher_dir}); "
-                "distill.init: teacher can only remove layers and MLP units"
-            )
+    key = student.unprunable(teacher)
+    if key is None:
+        return
+    mine, theirs = getattr(student, key), getattr(teacher, key)
+    if key in student.KEPT_WHEN_PRUNED:
+        raise StagelmError(
+            f"distill.student.{key}: {mine} differs from the teacher's {theirs} ({teacher_dir}); with "
+            "distill.init: teacher the student keeps the teacher's embeddings and attention, so set it "
+            "to the teacher's (or distill.init: scratch)"
+        )
+    raise StagelmError(
+        f"distill.student.{key}: {mine} is more than the teacher's {theirs} ({teacher_dir}); "
+        "distill.init: teacher can only remove layers and MLP units"
+    )
 
 
 def teacher_layers(n_teacher: int, n_student: int) -> list[int]:
@@ -108,6 +108,15 @@ def check_student(cfg: DistillConfig, teacher: DecoderConfig, teacher_dir: Path)
         check_prunable(student, teacher, teacher_dir)
 
 
+def distill_line(cfg: DistillConfig, n_student: int, n_teacher: int, init: str) -> str:
+    """The distill stage's first line: the two models and the objective's settings."""
+    return (
+        f"distill: student {n_student:,} params from teacher {n_teacher:,} (init: {init}); alpha {cfg.alpha}, "
+        f"T {cfg.temperature}, {cfg.kl} KL, data {cfg.data}, on-policy share {cfg.on_policy}, "
+        f"teacher-answer share {cfg.sequence}"
+    )
+
+
 def distill_splits(cfg: DistillConfig, corpus: Path, sft: Path) -> list[Path]:
     """The packed splits `distill.data` names: the corpus, the SFT conversations, or both."""
     return {"corpus": [corpus], "sft": [sft], "both": [corpus, sft]}[cfg.data]
@@ -121,9 +130,12 @@ def distill_rows(splits: list[Path], tokenizer: Path) -> MixedRows:
     return MixedRows(packed)
 
 
-def make_distiller(cfg: DistillConfig, teacher_dir: Path, seed: int) -> tuple[Distiller, str]:
-    """(the student beside its frozen teacher, how the student started) for `distill.init`."""
-    teacher = load_model(teacher_dir)
+def make_distiller(
+    cfg: DistillConfig, teacher_dir: Path, seed: int, settings: dict[str, Any] | None = None
+) -> tuple[Distiller, str]:
+    """(the student beside its frozen teacher, how the student started) for `distill.init`; both
+    compute with `settings` (`modeldir.run_settings`)."""
+    teacher = load_model(teacher_dir, settings=settings)
     student_cfg = dataclasses.replace(teacher.cfg, **cfg.student.shape())
     if cfg.init == "scratch":
         return Distiller(Decoder(student_cfg, nnx.Rngs(seed)), teacher), "scratch"
