@@ -134,7 +134,11 @@ class Engine:
         width = tokens.shape[1]
         cols = (column - width + jnp.arange(width)) % self.capacity
         layers = tuple(
-            LayerCache(big.k.at[row, cols].set(one.k[0, :width]), big.v.at[row, cols].set(one.v[0, :width]))
+            # (B, K, S, Dh) indexed [row, :, cols] is (width, K, Dh): the advanced indices' axis comes first
+            LayerCache(
+                big.k.at[row, :, cols].set(one.k[0, :, :width].swapaxes(0, 1)),
+                big.v.at[row, :, cols].set(one.v[0, :, :width].swapaxes(0, 1)),
+            )
             for big, one in zip(cache.layers, alone.layers, strict=True)
         )
         segs = cache.segment_ids.at[row, cols].set(seg[0])
@@ -168,8 +172,11 @@ class Engine:
             new, part = model.cached(tokens[:, None], seg[:size, None], pos[:size, None], part, column)
 
             def put(whole: jax.Array, rows: jax.Array) -> jax.Array:
-                written = jax.lax.dynamic_slice_in_dim(rows, column, 1, axis=1)
-                return jax.lax.dynamic_update_slice(whole, written, (0, column) + (0,) * (whole.ndim - 2))
+                slots = 1 if whole.ndim == 2 else 2  # segments and positions (B, S); k/v (B, K, S, Dh)
+                written = jax.lax.dynamic_slice_in_dim(rows, column, 1, axis=slots)
+                start = [0] * whole.ndim
+                start[slots] = column
+                return jax.lax.dynamic_update_slice(whole, written, start)
 
             cache = jax.tree.map(put, cache, part)
         logits = jax.lax.dynamic_update_slice_in_dim(logits, new[:, 0].astype(logits.dtype), 0, 0)

@@ -177,10 +177,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal:
     `jax.nn.dot_product_attention`, which XLA:CPU runs slower (benchmarks/README.md); the
     test suite checks that both agree.
     """
-    b, t, h, dh = q.shape
-    kh = k.shape[2]
-    q = (q * dh**-0.5).reshape(b, t, kh, h // kh, dh).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, Dh)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, S, Dh)
+    return heads_major_attention(q, k, v, mask, causal)
+
+
+def heads_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool = False) -> jax.Array:
+    """`attention` with k, v already (B, K, S, Dh), the KV cache's layout: a decode step then
+    reads the cache as it lies, with no transposed copy of it per layer and step (and on a TPU
+    its minor axes are the slots and the head's width, not K heads padded to a tile)."""
+    b, t, h, dh = q.shape
+    kh = k.shape[1]
+    q = (q * dh**-0.5).reshape(b, t, kh, h // kh, dh).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, Dh)
     if causal and t >= 2:
         half = t // 2
         first = softmax_attention(q[:, :, :, :half], k[:, :, :half], v[:, :, :half], mask[:, :, :half, :half])
@@ -272,10 +279,10 @@ class Attention(nnx.Module):
     def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
         q, k, v = self.project_qkv(x, rot)
-        start = (0, index, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(layer.k, k.astype(layer.k.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(layer.v, v.astype(layer.v.dtype), start)
-        y = attention(q, k_all.astype(x.dtype), v_all.astype(x.dtype), mask)
+        start = (0, 0, index, 0)  # the cache is (B, K, S, Dh): this call's T tokens are transposed, not the cache
+        k_all = jax.lax.dynamic_update_slice(layer.k, k.transpose(0, 2, 1, 3).astype(layer.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(layer.v, v.transpose(0, 2, 1, 3).astype(layer.v.dtype), start)
+        y = heads_major_attention(q, k_all.astype(x.dtype), v_all.astype(x.dtype), mask)
         return self.o(y), LayerCache(k_all, v_all)
 
 
@@ -421,7 +428,7 @@ def scan_blocks(
 
 
 class LayerCache(NamedTuple):
-    k: jax.Array  # (B, S, K, Dh)
+    k: jax.Array  # (B, K, S, Dh): heads major, so attention reads it as it lies
     v: jax.Array
 
 
@@ -434,7 +441,7 @@ class KVCache(NamedTuple):
 
 
 def init_cache(cfg: DecoderConfig, batch: int, capacity: int) -> KVCache:
-    shape = (batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
     layer = LayerCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
     empty = jnp.zeros((batch, capacity), jnp.int32)
     return KVCache(tuple(layer for _ in range(cfg.n_layers)), empty, empty)
