@@ -796,7 +796,9 @@ def test_a_checkpoint_is_sized_by_its_config_before_a_weight_is_read(capsys, mic
     monkeypatch.chdir(tmp_path)
     (tmp_path / "inputs/llama").mkdir(parents=True)
     (tmp_path / "inputs/llama/config.json").write_text(json.dumps(LLAMA_8B))
-    write_params(tmp_path / "params.yaml", micro_params(model={"init_from": "hf:inputs/llama"}))
+    # distill.init: scratch, as the micro student cannot be pruned from an 8B teacher (test below)
+    params = micro_params(model={"init_from": "hf:inputs/llama"}, distill={"init": "scratch"})
+    write_params(tmp_path / "params.yaml", params)
     monkeypatch.setattr(sys, "argv", ["stagelm", "check", "--pipeline", str(ROOT / "dvc.yaml")])
     cli.main()
     out = capsys.readouterr().out
@@ -1059,3 +1061,167 @@ def test_check_bounds_a_decoders_real_numbers(monkeypatch, capsys, tmp_path, key
     shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
     err = stagelm(monkeypatch, capsys, "check")
     assert err == f"error: model.{key}: expected a positive float of at most {bound}, got 1e+300\n"
+
+
+# --- import-hf: special_tokens_map.json, read when transformers reads it -----------------------------
+
+
+def test_import_hf_reads_special_tokens_map_as_transformers_does(monkeypatch, capsys, model_dir, tmp_path):
+    """transformers reads special_tokens_map.json when tokenizer_config.json has no added_tokens_decoder
+    (a checkpoint saved before 4.34), its tokens over tokenizer_config.json's: the import reads it then,
+    and a bad one is refused naming it; beside an added_tokens_decoder, which transformers reads instead,
+    it is left unread, as transformers leaves it."""
+    hf = exported_hf(monkeypatch, model_dir, tmp_path / "hf")
+    path = hf / "special_tokens_map.json"
+    cases = [
+        (b"{not json", "not valid JSON"),
+        (b'["<|eos|>"]', "expected a JSON object, got list"),
+        (b'{"eos_token": 42}', "eos_token = 42; expected the token's text (or an AddedToken object)"),
+        (b'{"pad_token": {"content": 7}}', "pad_token = {'content': 7}; expected the token's text"),
+        (b'{"eos_token": "<nope>"}', "eos_token '<nope>' is not a token of its tokenizer.json"),
+    ]
+    for data, words in cases:
+        path.write_bytes(data)
+        err = stagelm(monkeypatch, capsys, "import-hf", str(hf), str(tmp_path / "out"))
+        assert err.startswith(f"error: {path}: {words}"), err
+        assert not (tmp_path / "out").exists()
+    path.write_text(json.dumps({"pad_token": {"content": "<|end|>", "lstrip": False}}))  # over tokenizer_config's
+    monkeypatch.setattr(sys, "argv", ["stagelm", "import-hf", str(hf), str(tmp_path / "out")])
+    cli.main()
+    assert json.loads((tmp_path / "out/chat.json").read_text())["pad_token"] == "<|end|>"
+    config = hf / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "added_tokens_decoder": {}}))
+    path.write_bytes(b"{not json")
+    monkeypatch.setattr(sys, "argv", ["stagelm", "import-hf", str(hf), str(tmp_path / "again")])
+    cli.main()
+    assert json.loads((tmp_path / "again/chat.json").read_text())["pad_token"] == "<|pad|>"
+
+
+# --- a GGUF file is known by its content, not its name -----------------------------------------------
+
+
+def test_a_gguf_file_is_known_by_its_magic_bytes(monkeypatch, capsys, model_dir, tmp_path):
+    """A GGUF file named model.bin imports (import-hf, import-gguf and model.init_from: gguf:); a file
+    that is not GGUF is refused by its content, in one line, whatever its name."""
+    gguf_file = tmp_path / "inputs/model.bin"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(tmp_path / "m.gguf")])
+    cli.main()
+    gguf_file.parent.mkdir()
+    shutil.copyfile(tmp_path / "m.gguf", gguf_file)
+    for command in ("import-gguf", "import-hf"):
+        monkeypatch.setattr(sys, "argv", ["stagelm", command, str(gguf_file), str(tmp_path / command)])
+        cli.main()
+        assert (tmp_path / command / "params.safetensors").is_file()
+    fake = tmp_path / "inputs/fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 a zip, not a GGUF")
+    err = stagelm(monkeypatch, capsys, "import-gguf", str(fake), str(tmp_path / "out"))
+    assert err.startswith(f"error: {fake}: not a GGUF file (it does not start with the bytes GGUF) nor a "), err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.chdir(tmp_path)
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    write_params(tmp_path / "params.yaml", micro_params(model={"init_from": "gguf:inputs/fake.gguf"}))
+    err = stagelm(monkeypatch, capsys, "check")
+    assert err.startswith("error: model.init_from: inputs/fake.gguf is not a GGUF file (it does not start with "), err
+    params = micro_params(model={"init_from": "gguf:inputs/model.bin"}, distill={"init": "scratch"})
+    write_params(tmp_path / "params.yaml", params)
+    monkeypatch.setattr(sys, "argv", ["stagelm", "check"])
+    cli.main()
+    assert "ok: params.yaml: seed and sections" in capsys.readouterr().out
+
+
+# --- stagelm check: lm-eval task names, the distill student, the size of params.yaml ---------------------
+
+
+class FewTasks:
+    """lm-eval's TaskManager with two tasks, built without indexing its thousands (seconds each time)."""
+
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).built += 1
+        self.all_tasks = ["arc_easy", "hellaswag"]
+
+
+def checked(monkeypatch, capsys, tmp_path, **sections) -> str:
+    """`stagelm check` of the micro params with `sections` changed, in a project of its own: its stderr
+    (one line, exit 2), or "" when it passes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inputs").mkdir(exist_ok=True)
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    write_params(tmp_path / "params.yaml", micro_params(**sections))
+    monkeypatch.setattr(sys, "argv", ["stagelm", "check"])
+    capsys.readouterr()  # what came before
+    try:
+        cli.main()
+    except SystemExit as exit_info:
+        assert exit_info.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+        return err
+    return ""
+
+
+def test_check_knows_lm_eval_task_names(monkeypatch, capsys, tmp_path):
+    """A misspelled task name is refused by `stagelm check` (and the params stage), not by the eval
+    stage after training; lm-eval's tasks are indexed only when the list names one."""
+    pytest.importorskip("lm_eval", reason="lm-eval is the eval extra (pip install -e '.[eval]')")
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", FewTasks)
+    err = checked(monkeypatch, capsys, tmp_path, eval={"lm_eval_tasks": ["inputs/mine.yaml", "arc_esy"]})
+    assert err == (
+        "error: eval.lm_eval_tasks: 'arc_esy' is not an lm-eval task (did you mean 'arc_easy'?); "
+        "`stagelm lm-eval ls tasks` lists them, or give a task YAML's path\n"
+    )
+    assert checked(monkeypatch, capsys, tmp_path, eval={"lm_eval_tasks": ["arc_easy", "hellaswag"]}) == ""
+    built = FewTasks.built
+    assert checked(monkeypatch, capsys, tmp_path, eval={"lm_eval_tasks": ["inputs/mine.yaml"]}) == ""
+    assert FewTasks.built == built  # task YAMLs alone: nothing indexed
+
+
+STUDENT = {"d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "d_ff": 32, "vocab_size": None}
+STUDENTS = [  # (distill.student changes, the one-line error; the micro model: d_model 32, 2 layers, d_ff 64)
+    ({"n_layers": 3}, "distill.student.n_layers: 3 is more than model.n_layers, 2; distill.init: teacher can only"),
+    ({"d_ff": 128}, "distill.student.d_ff: 128 is more than model.d_ff, 64; distill.init: teacher can only remove"),
+    ({"d_model": 64}, "distill.student.d_model: 64 differs from model.d_model, 32; distill.init: teacher keeps the"),
+    ({"n_kv_heads": 4}, "distill.student.n_kv_heads: 4 differs from model.n_kv_heads, 2; distill.init: teacher"),
+]
+
+
+@pytest.mark.parametrize(("change", "words"), STUDENTS, ids=[w.split(":")[0] for _, w in STUDENTS])
+def test_check_refuses_a_student_the_teacher_cannot_be_pruned_to(monkeypatch, capsys, tmp_path, change, words):
+    """With distill.init: teacher the student is the SFT model pruned: one wider or deeper (or of
+    another width or head count) is refused at check time, not after pretraining and SFT; from
+    scratch (init: scratch) a larger student is legitimate."""
+    student = {**STUDENT, **change}
+    err = checked(monkeypatch, capsys, tmp_path, distill={"init": "teacher", "student": student})
+    assert err.startswith(f"error: {words}"), err
+    assert checked(monkeypatch, capsys, tmp_path, distill={"init": "scratch", "student": student}) == ""
+
+
+def test_check_holds_the_student_to_an_init_from_checkpoint(monkeypatch, capsys, tmp_path):
+    """With model.init_from the teacher has the checkpoint's shape (the model section's sizes are unused)."""
+    (tmp_path / "inputs/llama").mkdir(parents=True)
+    (tmp_path / "inputs/llama/config.json").write_text(json.dumps(LLAMA))  # d16, 2 heads, 1 kv head, 1 layer
+    student = {**STUDENT, "d_model": 16, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2}
+    sections = {"model": {"init_from": "hf:inputs/llama"}, "distill": {"init": "teacher", "student": student}}
+    err = checked(monkeypatch, capsys, tmp_path, **sections)
+    assert err.startswith("error: distill.student.n_layers: 2 is more than the teacher's (hf:inputs/llama) n_layers, 1")
+    sections["distill"]["student"] = {**student, "n_layers": 1}
+    assert checked(monkeypatch, capsys, tmp_path, **sections) == ""
+
+
+def test_a_params_file_is_read_up_to_its_size(monkeypatch, capsys, tmp_path):
+    """A 200 MB params.yaml would be read whole and parsed: refused by its size before it is opened,
+    by `stagelm check` and every stage (they read it through the same function)."""
+    assert checked(monkeypatch, capsys, tmp_path) == ""
+    with open(tmp_path / "params.yaml", "r+b") as f:  # sparse: no disk spent
+        f.truncate(200 << 20)
+    err = stagelm(monkeypatch, capsys, "check")
+    assert err == (
+        f"error: params.yaml: {200 << 20:,} bytes, more than the {1 << 20:,} such a file may hold; it holds "
+        "settings, not data; give the project's own\n"
+    )
+    code, err = run_in_process([sys.executable, str(ROOT / "stages/params.py"), "--out", "stamp.json"], capsys)
+    assert code == 2 and err.startswith("error: params.yaml: 209,715,200 bytes, more than the 1,048,576"), err
+    assert not Path("stamp.json").exists()

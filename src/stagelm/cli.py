@@ -43,6 +43,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from stagelm.infra.errors import StagelmError, run_main
 
@@ -58,9 +59,10 @@ def check(args: argparse.Namespace) -> None:
     sections = validate_params(read_params(args.params))
     require_family_sets(sections["data"], sections["grpo"])
     require_inputs(sections["data"])
+    checkpoint = init_checkpoint(sections)
     print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
     print("".join(line + "\n" for line in fine_tuning_warnings(sections)), end="")
-    print_estimates(sections)
+    print_estimates(sections, checkpoint)
     paths = pipeline_vars(Path(args.pipeline))
     raw = Path(paths.get("raw_dir", "data/raw"))
     if raw.is_dir():
@@ -78,8 +80,24 @@ def check(args: argparse.Namespace) -> None:
         print(f"ok: {split}: {len(manifest['shards'])} shards match manifest.json")
 
 
-def print_estimates(sections: dict) -> None:
-    """An ok or warning line for each stage's memory (and the synthetic corpus's disk) against this machine."""
+def init_checkpoint(sections: dict) -> Any:
+    """The DecoderConfig of the checkpoint `model.init_from` names (its config alone), or None (from scratch);
+    the distill student is checked against it, the SFT model's shape (the params stage checks it against
+    the model section's when there is none)."""
+    init_from = sections["model"].init_from
+    if init_from is None:
+        return None
+    from stagelm.interop.checkpoint import checkpoint_config, checkpoint_source
+    from stagelm.pipeline.params import require_prunable_student
+
+    checkpoint = checkpoint_config(checkpoint_source(init_from))[0]
+    require_prunable_student(sections["distill"], checkpoint, f"the teacher's ({init_from}) ")
+    return checkpoint
+
+
+def print_estimates(sections: dict, checkpoint: Any) -> None:
+    """An ok or warning line for each stage's memory (and the synthetic corpus's disk) against this machine,
+    `checkpoint` the DecoderConfig of model.init_from's checkpoint (or None)."""
     from stagelm.data.download import synthetic_corpus_bytes
     from stagelm.data.footprint import data_stage_estimates
     from stagelm.infra.memory import HEADROOM, gib, host_available
@@ -89,11 +107,6 @@ def print_estimates(sections: dict) -> None:
         disk, free = synthetic_corpus_bytes(sections["data"])[1], shutil.disk_usage(".").free
         fits = "ok" if disk <= free else "warning"
         print(f"{fits}: download (the synthetic corpus on disk): about {gib(disk)} of {gib(free)}")
-    checkpoint = None
-    if sections["model"].init_from is not None:  # its own sizes, from its config alone
-        from stagelm.interop.checkpoint import checkpoint_config, checkpoint_source
-
-        checkpoint = checkpoint_config(checkpoint_source(sections["model"].init_from))[0]
     have = host_available()
     for what, need in {**data_stage_estimates(sections), **stage_estimates(sections, checkpoint)}.items():
         fits = have is None or need + HEADROOM <= have

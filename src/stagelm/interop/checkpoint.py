@@ -1,6 +1,6 @@
 """A checkpoint no one here trained, as stagelm reads it: a transformers Llama folder or a llama GGUF file.
 
-    stagelm import-hf <folder or .gguf> <model dir>     # a model directory generate, serve and eval take
+    stagelm import-hf <folder or GGUF file> <model dir>     # a model directory generate, serve and eval take
     model.init_from: hf:inputs/smollm2 | gguf:inputs/smollm2.gguf   # the pipeline's pretrain starts from it
 
 Either way the checkpoint keeps its own tokenizer and chat format: the tokenizer.json is the
@@ -47,14 +47,26 @@ def checkpoint_source(init_from: str | None) -> Path | None:
     scheme, _, rest = init_from.partition(":")
     path = Path(rest).expanduser()
     if scheme == "gguf" and not path.is_file():
-        raise StagelmError(f"model.init_from: {path} is not a file; give a llama .gguf file under data.inputs")
+        raise StagelmError(f"model.init_from: {path} is not a file; give a llama GGUF file under data.inputs")
+    if scheme == "gguf" and not is_gguf(path):
+        raise StagelmError(
+            f"model.init_from: {path} is not a GGUF file (it does not start with the bytes GGUF); give a llama "
+            "GGUF file, or hf:<folder> for a transformers checkpoint"
+        )
     if scheme == "hf" and not (path / "config.json").is_file():
         raise StagelmError(f"model.init_from: {path} has no config.json; give a transformers checkpoint folder")
     return path
 
 
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file, whatever its name
+
+
 def is_gguf(source: Path) -> bool:
-    return source.is_file() and source.suffix.lower() == ".gguf"
+    """Whether `source` is a regular file whose content is GGUF (by its magic bytes, not its name)."""
+    if not source.is_file():  # a folder, or no regular file (a device or a pipe is never opened)
+        return False
+    with open(source, "rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 def checkpoint_config(source: Path) -> tuple[DecoderConfig, int]:
@@ -66,14 +78,19 @@ def checkpoint_config(source: Path) -> tuple[DecoderConfig, int]:
 
 
 def read_checkpoint(source: str | Path, weights: bool = True, vocab_size: int | None = None, **settings: Any):
-    """The checkpoint at `source` (a transformers folder or a .gguf file): its model (unless
+    """The checkpoint at `source` (a transformers folder or a GGUF file, by its content): its model (unless
     `weights` is False), context length, own tokenizer and chat spec. `vocab_size` and `settings`
     as `llama_state.decoder_from_llama_tensors` takes them."""
     source = Path(source)
     if is_gguf(source):
         return read_gguf(source, weights, vocab_size, **settings)
+    if source.is_file():
+        raise StagelmError(
+            f"{source}: not a GGUF file (it does not start with the bytes GGUF) nor a transformers checkpoint "
+            "folder; give a llama GGUF file or the folder holding config.json"
+        )
     if not source.is_dir():
-        raise StagelmError(f"{source}: neither a transformers checkpoint folder nor a .gguf file; check the path")
+        raise StagelmError(f"{source}: neither a transformers checkpoint folder nor a GGUF file; check the path")
     return read_hf_folder(source, weights, vocab_size, **settings)
 
 

@@ -43,7 +43,7 @@ def open_gguf(path: Path) -> Any:
     import gguf
 
     if not path.is_file():
-        raise StagelmError(f"{path}: no such GGUF file; give the path of a .gguf model")
+        raise StagelmError(f"{path}: no such GGUF file; give the path of a GGUF model")
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as err:  # its parser raises ValueError, struct errors and more on a damaged file

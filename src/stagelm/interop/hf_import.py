@@ -229,6 +229,21 @@ def hf_token(value: Any, key: str, where: Path) -> str | None:
     return spelled
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")  # the ones chat.json records
+
+
+def special_tokens(hf_dir: Path, config: dict[str, Any], config_path: Path) -> dict[str, tuple[str | None, Path]]:
+    """{key: (the token's spelling or None, the file that says so)} for SPECIAL_TOKENS, as transformers
+    reads them: tokenizer_config.json's, and, when it has no `added_tokens_decoder` (a checkpoint saved
+    before transformers 4.34), special_tokens_map.json's over them; a bad file it reads is refused."""
+    tokens = {key: (hf_token(config.get(key), key, config_path), config_path) for key in SPECIAL_TOKENS}
+    path = hf_dir / "special_tokens_map.json"
+    if "added_tokens_decoder" in config or not os.path.lexists(path):  # transformers does not open it
+        return tokens
+    legacy = read_json_object(path, "give the checkpoint's own special_tokens_map.json, or none")
+    return tokens | {key: (hf_token(legacy[key], key, path), path) for key in SPECIAL_TOKENS if key in legacy}
+
+
 def optional_json(path: Path, fix: str) -> dict[str, Any]:
     """The JSON object in `path`, {} when there is none; a link to nothing, a pipe or a device is refused."""
     return read_json_object(path, fix) if os.path.lexists(path) else {}
@@ -262,8 +277,9 @@ def hf_template(hf_dir: Path, config: dict[str, Any], config_path: Path) -> tupl
 
 def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
     """chat.json of a transformers checkpoint (stagelm.data.chatformat), from its tokenizer_config.json (or
-    chat_template.jinja) and generation_config.json and config.json ids; its template is None when
-    it has none (a base model: text only). Every token named must be in `tok`, its own tokenizer."""
+    chat_template.jinja), special_tokens_map.json (as `special_tokens` reads it), generation_config.json and
+    config.json ids; its template is None when it has none (a base model: text only). Every token named
+    must be in `tok`, its own tokenizer."""
     config_path = hf_dir / "tokenizer_config.json"
     config = optional_json(config_path, "give the checkpoint's own tokenizer_config.json, or none")
     template, template_path = hf_template(hf_dir, config, config_path)
@@ -283,8 +299,12 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
                 )
         return ids
 
+    tokens = special_tokens(hf_dir, config, config_path)
+
     def spelled(key: str) -> str | None:
-        token = hf_token(config.get(f"{key}_token"), f"{key}_token", config_path)
+        token, where = tokens[f"{key}_token"]
+        if token is not None and tok.token_to_id(token) is None:  # named where it was read
+            raise StagelmError(f"{where}: {key}_token {shown(token)} is not a token of its tokenizer.json")
         if token is None:
             ids = token_ids(key)
             token = tok.id_to_token(ids[0]) if ids else None
@@ -292,7 +312,9 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
 
     eos = spelled("eos")
     if eos is None:
-        raise StagelmError(f"{config_path}: no eos_token (nor an eos_token_id in generation_config.json); add one")
+        raise StagelmError(
+            f"{tokens['eos_token'][1]}: no eos_token (nor an eos_token_id in generation_config.json); add one"
+        )
     stops = [tok.id_to_token(i) for i in token_ids("eos")]
     return chat_spec(
         tok,

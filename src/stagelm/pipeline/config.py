@@ -391,6 +391,19 @@ class StudentConfig(ModelShape):
 
     vocab_size: int | None = param("null = the teacher's vocabulary (any other value is refused)", POSITIVE)
 
+    # distill.init: teacher keeps the teacher's embeddings and attention whole (these sizes its own) and
+    # some of its layers and MLP units (at most these): post.student.student_from_teacher.
+    KEPT_WHEN_PRUNED: ClassVar[tuple[str, ...]] = ("d_model", "n_heads", "n_kv_heads")
+    CUT_WHEN_PRUNED: ClassVar[tuple[str, ...]] = ("n_layers", "d_ff")
+
+    def unprunable(self, teacher: Any) -> str | None:
+        """The first size of this shape that a student pruned from `teacher` (anything with ModelShape's
+        sizes: a DecoderConfig, the model section) cannot have, or None."""
+        for key in self.KEPT_WHEN_PRUNED:
+            if getattr(self, key) != getattr(teacher, key):
+                return key
+        return next((key for key in self.CUT_WHEN_PRUNED if getattr(self, key) > getattr(teacher, key)), None)
+
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig(TrainingConfig):

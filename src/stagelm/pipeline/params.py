@@ -24,16 +24,22 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from stagelm.infra.errors import StagelmError
-from stagelm.pipeline.config import SECTIONS, SEED, DataConfig, EvalConfig, ModelConfig, inside
+from stagelm.infra.files import read_regular_file
+from stagelm.pipeline.config import SECTIONS, SEED, DataConfig, DistillConfig, EvalConfig, ModelConfig, inside
+
+# The most a params.yaml or dvc.yaml may hold: the shipped ones are ~11 and ~30 KB; one of hundreds
+# of MB would otherwise be read whole into memory and parsed in pure Python.
+MAX_YAML_BYTES = 1 << 20
 
 
 def read_yaml(path: Path) -> Any:
     """A YAML file read as DVC reads it: ruamel.yaml's safe loader, YAML 1.2 (so `5e-05` is a
     float, as `dvc exp run -S` writes it), duplicate keys refused. Nothing in it is executed.
     The pure-Python parser: ruamel's C one overflows the C stack on deeply nested input,
-    where Python's raises RecursionError (and params.yaml is small)."""
+    where Python's raises RecursionError (and the file is small: MAX_YAML_BYTES at most)."""
+    data = read_regular_file(path, MAX_YAML_BYTES, "it holds settings, not data; give the project's own")
     try:
-        return YAML(typ="safe", pure=True).load(path.read_bytes().decode("utf-8"))
+        return YAML(typ="safe", pure=True).load(data.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise StagelmError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8 YAML") from None
     except RecursionError:
@@ -79,6 +85,8 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
     sections = {"seed": load_seed(params), **{name: load_section(params, name) for name in SECTIONS}}
     require_init_inside_inputs(sections["model"], sections["data"])
     require_lm_eval_tasks(sections["eval"], sections["data"])
+    if sections["model"].init_from is None:  # else the teacher is the checkpoint's shape: `stagelm check` reads it
+        require_prunable_student(sections["distill"], sections["model"], "model.")
     return sections
 
 
@@ -204,6 +212,25 @@ def require_init_inside_inputs(model: ModelConfig, data: DataConfig) -> None:
             )
 
 
+def require_prunable_student(cfg: DistillConfig, teacher: Any, whose: str) -> None:
+    """With `distill.init: teacher` the student is the SFT model pruned (post.student.student_from_teacher):
+    refuse, naming the key, a `distill.student` that pruning cannot cut from `teacher`, the SFT model's
+    shape (the model section's, or model.init_from's checkpoint's), `whose` naming its sizes."""
+    key = cfg.student.unprunable(teacher) if cfg.init == "teacher" else None
+    if key is None:  # with init: scratch any student is trained from random weights, a larger one too
+        return
+    mine, theirs = getattr(cfg.student, key), getattr(teacher, key)
+    if key in cfg.student.KEPT_WHEN_PRUNED:
+        raise StagelmError(
+            f"distill.student.{key}: {mine} differs from {whose}{key}, {theirs}; distill.init: teacher keeps the "
+            f"teacher's embeddings and attention, so set it to {theirs} (or set distill.init: scratch)"
+        )
+    raise StagelmError(
+        f"distill.student.{key}: {mine} is more than {whose}{key}, {theirs}; distill.init: teacher can only remove "
+        "the teacher's layers and MLP units, so lower it (or set distill.init: scratch for a larger student)"
+    )
+
+
 def lm_eval_installed() -> bool:
     """Whether EleutherAI's lm-eval (the `eval` extra) can be imported."""
     try:
@@ -214,7 +241,9 @@ def lm_eval_installed() -> bool:
 
 def require_lm_eval_tasks(cfg: EvalConfig, data: DataConfig) -> None:
     """Refuse `eval.lm_eval_tasks` that cannot run: a task YAML outside `data.inputs` (the folder the
-    eval stages depend on, so DVC hashes it), or any task without lm-eval installed (the eval extra)."""
+    eval stages depend on, so DVC hashes it), any task without lm-eval installed (the eval extra), or a
+    task name lm-eval does not know (a name a listed YAML defines is not one: the eval stage looks names
+    up in lm-eval's own tasks only)."""
     for task in cfg.lm_eval_tasks:
         if task.endswith((".yaml", ".yml")) and not inside(task, data.inputs):
             raise StagelmError(
@@ -225,6 +254,17 @@ def require_lm_eval_tasks(cfg: EvalConfig, data: DataConfig) -> None:
         raise StagelmError(
             "eval.lm_eval_tasks: lm-eval is not installed; pip install -e '.[eval]', or set eval.lm_eval_tasks: []"
         )
+    names = [task for task in cfg.lm_eval_tasks if not task.endswith((".yaml", ".yml"))]
+    if names:  # indexing lm-eval's tasks takes seconds: only for a list that names some
+        from lm_eval.tasks import TaskManager
+
+        known = TaskManager().all_tasks  # what the eval stage checks them against (measure.harness.evaluate_tasks)
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise StagelmError(
+                f"eval.lm_eval_tasks: {shown(unknown[0])} is not an lm-eval task{did_you_mean(unknown[0], known)}; "
+                "`stagelm lm-eval ls tasks` lists them, or give a task YAML's path"
+            )
 
 
 # Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update

@@ -51,6 +51,9 @@ PRESETS: dict[str, Preset] = {
             "model.n_heads": 4,
             "model.n_kv_heads": 4,
             "model.d_ff": 3584,
+            # The default distill.student (d_model 128) cannot be pruned from this width, and a preset's
+            # -S flags are scalars: the student learns from random weights (distill.init: scratch).
+            "distill.init": "scratch",
         },
     ),
     "tpu-smollm2-135m": Preset(
