@@ -37,3 +37,20 @@ def test_a_preset_naming_a_key_params_yaml_lacks_is_refused(monkeypatch):
     monkeypatch.setitem(PRESETS, "broken", PRESETS["tpu-150m"]._replace(values={"model.d_modl": 1}))
     with pytest.raises(StagelmError, match=r"^preset broken: model.d_modl is not a params.yaml key$"):
         preset("broken")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_presets_figures_are_read_from_its_committed_measurement(name):
+    """No figure is typed by hand: describe() quotes the benchmarks/ file the preset names."""
+    import json
+
+    from stagelm.pipeline.presets import describe
+
+    file, shape = PRESETS[name].measured
+    result = json.loads((ROOT / "benchmarks" / file).read_text())
+    (entry, *_) = [e for e in result["train"] if e["name"] == shape and not e["scan_layers"]]
+    line = describe(name)
+    assert (
+        line.startswith(PRESETS[name].about) and "tok/s" not in PRESETS[name].about and "MFU" not in PRESETS[name].about
+    )
+    assert f"{entry['tokens_per_sec'] / 1e3:.1f}k tok/s, MFU {entry['mfu']:.1%}" in line and file in line

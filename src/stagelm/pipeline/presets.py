@@ -10,6 +10,8 @@ v5e chip (benchmarks/results/, docs/accelerators.md); every value is checked aga
 params.yaml's types when the params stage runs, as a hand-written `-S` would be.
 """
 
+import json
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from stagelm.infra.errors import StagelmError
@@ -33,15 +35,20 @@ ACCELERATOR = {
 SMALL_MICRO_BATCHES = {"training.batch_size": 2, "training.grad_accum": 32, "pack.seq_len": 2048}
 
 
+# The committed measurements (benchmarks/accelerator-*.json) in a source checkout; an installed
+# package has none, and its descriptions then say where the figures are.
+MEASUREMENTS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
 class Preset(NamedTuple):
     about: str  # one line: the workload and the device it was measured on
     values: dict[str, Any]  # params.yaml key → value
+    measured: tuple[str, str]  # (the benchmarks/ file, its unscanned train entry's shape) describe() quotes
 
 
 PRESETS: dict[str, Preset] = {
     "tpu-150m": Preset(
-        "pretrain a 155M decoder (d1024, 8 layers, 4 heads of 256, vocab 32768, seq 2048) on one "
-        "16 GiB TPU v5e chip: 121k tok/s, MFU 63% (MaxText's count)",
+        "pretrain a 155M decoder (d1024, 8 layers, 4 heads of 256, vocab 32768, seq 2048) on one 16 GiB TPU v5e chip",
         {
             **ACCELERATOR,
             **SMALL_MICRO_BATCHES,
@@ -55,17 +62,28 @@ PRESETS: dict[str, Preset] = {
             # -S flags are scalars: the student learns from random weights (distill.init: scratch).
             "distill.init": "scratch",
         },
+        ("accelerator-2026-12-06-i.json", "d1024-l8-h4"),
     ),
     "tpu-smollm2-135m": Preset(
         "continue pretraining and fine-tune SmolLM2-135M (set model.init_from to its checkpoint) on one "
-        "16 GiB TPU v5e chip at seq 2048, 64 rows a step: 64k tok/s, MFU 33% (its shape at random weights)",
+        "16 GiB TPU v5e chip at seq 2048, 64 rows a step (its shape at random weights)",
         {**ACCELERATOR, **SMALL_MICRO_BATCHES, "sft.batch_size": 2, "sft.grad_accum": 32},
+        ("accelerator-2026-12-06-h.json", "smollm2-135m"),
     ),
 }
 
 
 def describe(name: str) -> str:
-    return PRESETS[name].about
+    """The preset's line: its workload, and the throughput and MFU (MaxText's count) of its
+    committed measurement, read from that file."""
+    about, _, (file, shape) = PRESETS[name]
+    path = MEASUREMENTS / file
+    if not path.is_file():
+        return f"{about} (measured: benchmarks/{file} of stagelm's repository)"
+    result = json.loads(path.read_text())
+    entry = next(e for e in result["train"] if e["name"] == shape and not e["scan_layers"] and "error" not in e)
+    figures = f"{entry['tokens_per_sec'] / 1e3:.1f}k tok/s, MFU {entry['mfu']:.1%}"
+    return f"{about}: {figures} ({result['device_kind']}, benchmarks/{file})"
 
 
 def preset(name: str) -> dict[str, Any]:
