@@ -172,3 +172,20 @@ def test_pass_at_k_by_hand_and_over_sampled_answers(gen, micro_data):
     assert passes["pass_at_4"] == pytest.approx(per_prompt.any(axis=1).mean())
     assert passes["pass_at_1"] == pytest.approx(per_prompt.mean())
     assert len({r["completion"] for r in sampled[:4]}) > 1  # four draws, not one answer repeated
+
+
+def test_the_sampler_draws_what_jax_random_categorical_draws():
+    """`first_max` is argmax (ties to the first index), `draw` is categorical: the same tokens
+    from the same keys, over rows with ties, -inf (top-k's cut) and large logits."""
+    from stagelm.infer.generate import draw, first_max
+
+    logits = jax.random.normal(jax.random.key(0), (64, 300)) * 4
+    logits = logits.at[:8, 5].set(100.0).at[:8, 9].set(100.0)  # ties: the first wins
+    logits = logits.at[8:16, :290].set(-jnp.inf)
+    np.testing.assert_array_equal(first_max(logits), jnp.argmax(logits, -1))
+    assert (first_max(logits)[:8] == 5).all()
+    for seed in range(5):
+        key = jax.random.key(seed)
+        np.testing.assert_array_equal(draw(key, logits), jax.random.categorical(key, logits, axis=-1))
+        np.testing.assert_array_equal(draw(key, logits / 0.7), jax.random.categorical(key, logits / 0.7, axis=-1))
+    assert int(first_max(jnp.full((1, 7), jnp.nan))[0]) == 6  # never an id past the vocabulary

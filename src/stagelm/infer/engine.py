@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stagelm.infer.generate import Generator, sample_tokens
+from stagelm.infer.generate import Generator, first_max, sample_tokens
 from stagelm.model.decoder import KVCache, LayerCache, init_cache
 
 
@@ -130,7 +130,7 @@ class Engine:
         `column`, and set the row's logits and RNG key (choice 0 of a seed: `stream`'s key)."""
         model = nnx.merge(self.graphdef, params)
         alone = init_cache(model.cfg, 1, self.capacity)
-        first, alone = model.cached(tokens, seg, pos, alone, jnp.int32(0))
+        first, alone = model.prefill(tokens, seg, pos, alone)
         width = tokens.shape[1]
         cols = (column - width + jnp.arange(width)) % self.capacity
         layers = tuple(
@@ -161,7 +161,7 @@ class Engine:
             return sample_tokens(row_logits[None], key, t, jnp.int32(0), p)[0]
 
         if greedy:  # every row at temperature 0: skip the sampler's sort over the vocabulary
-            tokens = jnp.argmax(logits[:size], axis=-1).astype(jnp.int32)
+            tokens = first_max(logits[:size])
         else:
             tokens = jax.vmap(one)(logits[:size], split[:, 1], temperature[:size], top_p[:size])
 

@@ -61,6 +61,23 @@ class Sampling:
         }
 
 
+def first_max(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, -1)` (the first of equal maxima) as two plain reductions, a max and a min of
+    indices: XLA:CPU runs argmax's paired value-and-index reduction several times slower (a
+    (256, 1024) row of logits: 0.9 against 0.6 ms; drawing a token 13 against 5 ms). A row with a
+    NaN, which argmax would point at, gives the last index rather than one past the vocabulary."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    vocab = x.shape[-1]
+    index = jnp.min(jnp.where(x == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(index, vocab - 1).astype(jnp.int32)
+
+
+def draw(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """`jax.random.categorical(key, logits, axis=-1)`, the same tokens from the same key (the
+    Gumbel-max trick it computes: argmax of logits plus Gumbel noise), through `first_max`."""
+    return first_max(logits + jax.random.gumbel(key, logits.shape, logits.dtype))
+
+
 def sample_tokens(
     logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
 ) -> jax.Array:
@@ -80,16 +97,16 @@ def sample_tokens(
         keep = before < top_p  # the smallest prefix whose mass reaches top_p (at least one token)
         floor = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
         scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
-        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+        return draw(key, scaled)
 
     def plain(logits: jax.Array) -> jax.Array:
-        return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+        return draw(key, logits / temperature)
 
     def sample(logits: jax.Array) -> jax.Array:
         return jax.lax.cond((top_k == 0) & (top_p >= 1), plain, filtered, logits)
 
     def greedy(logits: jax.Array) -> jax.Array:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_max(logits)
 
     # Branches, not selects: greedy decoding, and sampling with no top-k or top-p cut (GRPO's
     # rollouts, eval's sampled answers), skip the sort over the vocabulary, which on a CPU
@@ -135,7 +152,7 @@ class Generator:
         """The prompts' last logits and a cache of `slots` slots (default: the capacity) holding them."""
         model = nnx.merge(self.graphdef, params)
         cache = init_cache(model.cfg, tokens.shape[0], slots or self.capacity)
-        logits, cache = model.cached(tokens, seg, pos, cache, jnp.int32(0))
+        logits, cache = model.prefill(tokens, seg, pos, cache)
         return logits[:, -1], cache
 
     def _step_fn(self, params: Any, cache: Any, token: jax.Array, pos: jax.Array, index: jax.Array) -> tuple:

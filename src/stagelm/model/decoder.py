@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stagelm.infra.mesh import constrain
-from stagelm.model.attention_kernels import Tuning, kernel_for, splash_attention
+from stagelm.model.attention_kernels import BLOCK, Tuning, kernel_for, splash_attention
 from stagelm.pipeline.config import ModelShape
 
 
@@ -270,11 +270,21 @@ class Attention(nnx.Module):
         """Self-attention over the rows: `mask` is the reference kernel's (`row_causal_mask`), or
         the rows' `Segments` for the splash kernel."""
         q, k, v = self.project_qkv(x, rot, rng)
+        return self.o(constrain(self.over_rows(q, k, v, mask), ("batch", "seq", "heads", "head_dim")), rng)
+
+    def over_rows(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | Segments) -> jax.Array:
         if isinstance(mask, Segments):
-            y = splash_attention(q, k, v, mask.ids, self.cfg.splash_tuning)
-        else:
-            y = attention(q, k, v, mask, causal=True)
-        return self.o(constrain(y, ("batch", "seq", "heads", "head_dim")), rng)
+            return splash_attention(q, k, v, mask.ids, self.cfg.splash_tuning)
+        return attention(q, k, v, mask, causal=True)
+
+    def prefill(self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, layer: "LayerCache"):
+        """Attention over this call's T tokens alone, as training computes it, their k/v written at slots [0, T)."""
+        q, k, v = self.project_qkv(x, rot)
+        y = self.over_rows(q, k, v, mask)
+        start = (0, 0, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(layer.k, k.transpose(0, 2, 1, 3).astype(layer.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(layer.v, v.transpose(0, 2, 1, 3).astype(layer.v.dtype), start)
+        return self.o(y), LayerCache(k_all, v_all)
 
     def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
@@ -322,6 +332,11 @@ class Block(nnx.Module):
         x = x + y
         return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), layer
 
+    def prefill(self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, layer: "LayerCache"):
+        y, layer = self.attn.prefill(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, layer)
+        x = x + y
+        return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), layer
+
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
@@ -340,15 +355,21 @@ class Decoder(nnx.Module):
         table = constrain(self.embed[...], ("vocab", None))
         return constrain(table.astype(self.cfg.dtype)[tokens], ("batch", "seq", "embed_act"))
 
+    def row_mask(self, segment_ids: jax.Array, positions: jax.Array, prompt: bool = False) -> jax.Array | Segments:
+        """What attention over rows of tokens reads: their `Segments` for the splash kernel, else
+        the reference kernel's mask (`row_causal_mask`). A `prompt` (a prefill's rows, of any
+        width) takes splash only where its blocks tile the rows."""
+        t = segment_ids.shape[1]
+        if kernel_for(self.cfg.attention, t) == "splash" and not (prompt and t % BLOCK):
+            return Segments(segment_ids)
+        return row_causal_mask(segment_ids, positions)
+
     def hidden(
         self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, rng: jax.Array | None = None
     ) -> jax.Array:
         """Final-norm hidden states (B, T, D) of token rows (B, T); `rng` drives LoRA dropout when set."""
         x = self.embed_tokens(tokens)
-        if kernel_for(self.cfg.attention, tokens.shape[1]) == "splash":
-            mask = Segments(segment_ids)
-        else:
-            mask = row_causal_mask(segment_ids, positions)
+        mask = self.row_mask(segment_ids, positions)
         rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
         keys = [None if rng is None else jax.random.fold_in(rng, i) for i in range(len(self.blocks))]
         if self.cfg.scan_layers:
@@ -392,6 +413,26 @@ class Decoder(nnx.Module):
             x, layer = block.cached(x, rot, mask, layer, index)
             layers.append(layer)
         h = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+        return self.logits(h), KVCache(tuple(layers), seg, pos)
+
+    def prefill(
+        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: "KVCache"
+    ) -> tuple[jax.Array, "KVCache"]:
+        """(the last position's logits (B, 1, V), cache) for prompt rows (B, T) written at cache slots
+        [0, T): `cached` at index 0, computed as training computes the rows (attention over the
+        T tokens alone, causal halves or the splash kernel, not over every slot of the cache) and
+        with only the logits a generation reads."""
+        start = (0, 0)
+        seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
+        pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
+        x = self.embed_tokens(tokens)
+        mask = self.row_mask(segment_ids, positions, prompt=True)
+        rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        layers = []
+        for block, layer in zip(self.blocks, cache.layers, strict=True):
+            x, layer = block.prefill(x, rot, mask, layer)
+            layers.append(layer)
+        h = rms_norm(x[:, -1:], self.final_norm[...], self.cfg.norm_eps)
         return self.logits(h), KVCache(tuple(layers), seg, pos)
 
 

@@ -46,12 +46,13 @@ def generation_bytes(cfg: Any, rows: int, width: int, max_new: int) -> int:
     """What the jitted decode loop (`generate.Generator`) allocates for `rows` prompts laid out
     `width` tokens wide and `max_new` new tokens, by arithmetic on the shapes: the KV cache of
     width + max_new slots twice (the loop carries it in and out), the prefill's float32 scores
-    and softmax weights of one layer, its logits and MLP activations, and the tokens and
-    statistics out. tests/model/test_footprint.py holds it against XLA's own figures for the compiled
-    loop: never below them, at most three times them."""
+    and softmax weights of one layer (the prompt attends to itself alone), its MLP activations,
+    the last position's logits, and the tokens and statistics out. tests/model/test_footprint.py
+    holds it against XLA's own figures for the compiled loop: never below them, at most three
+    times them."""
     slots = width + max_new
-    scores = 2 * rows * cfg.n_heads * width * slots * 4
-    prefill = rows * width * (cfg.vocab_size + 2 * cfg.d_ff + 4 * cfg.d_model) * dtype_bytes(cfg.dtype)
+    scores = 2 * rows * cfg.n_heads * width * width * 4
+    prefill = rows * width * (2 * cfg.d_ff + 4 * cfg.d_model) * dtype_bytes(cfg.dtype) + rows * cfg.vocab_size * 4
     return 2 * kv_cache_bytes(cfg, rows, slots) + scores + prefill + rows * max_new * 12
 
 
