@@ -4,7 +4,10 @@
     python benchmarks/decode.py --preset tiny                       # random weights, the torch reference's config
 
 Greedy, a 16-token prompt, 128 new tokens, batch 1 and 8; medians over --reps after
-one warm-up call. Prints one JSON line per measurement.
+one warm-up call. Prints one JSON line per measurement. GRPO's rollouts of the default
+pipeline (256 samples of up to 40 tokens, at temperature 1):
+
+    python benchmarks/decode.py --preset default --batches 256 --prompt-len 24 --new-tokens 40 --temperature 1
 """
 
 import argparse
@@ -16,11 +19,14 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer, models
 
-from stagelm.infer.generate import Generator, load_generator
+from stagelm.infer.generate import Generator, Sampling, load_generator
 from stagelm.measure.timing import timed
 from stagelm.model.decoder import Decoder, DecoderConfig
 
-PRESETS = {"tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688)}
+PRESETS = {
+    "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=688),
+    "default": dict(vocab_size=848, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384),  # params.yaml's
+}
 
 
 def main() -> None:
@@ -31,6 +37,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--naive", action="store_true", help="also time naive full-prefix recomputation")
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     args = parser.parse_args()
     if args.model:
         gen = load_generator(args.model)
@@ -40,11 +48,12 @@ def main() -> None:
         gen = Generator(Decoder(cfg, nnx.Rngs(0)), Tokenizer(models.WordLevel(vocab, "t0")), 256)
     vocab = gen.model.cfg.vocab_size
     rng = np.random.default_rng(0)
-    for batch in (1, 8):
+    sampling = Sampling(temperature=args.temperature)
+    for batch in args.batches:
         prompts = rng.integers(10, vocab, (batch, args.prompt_len)).tolist()
 
         def cached(prompts=prompts):
-            return gen.generate(prompts, args.new_tokens, until_stop=False)
+            return gen.generate(prompts, args.new_tokens, sampling, until_stop=False)
 
         times = timed(cached, 1, args.reps)
         rates = {"cached": batch * args.new_tokens / statistics.median(times)}
@@ -61,6 +70,7 @@ def main() -> None:
                     "batch": batch,
                     "new_tokens": args.new_tokens,
                     "prompt_len": args.prompt_len,
+                    "temperature": args.temperature,
                     **{f"{k}_tokens_per_sec": v for k, v in rates.items()},
                     "speedup": rates["cached"] / rates["naive"] if "naive" in rates else None,
                     "prefill_seconds": prefill,

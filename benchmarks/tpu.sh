@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # benchmarks/accelerator.py on a fresh TPU machine, in one command from the repository root:
 #   bash benchmarks/tpu.sh --out benchmarks/results/accelerator-<date>.json
+# (another script of benchmarks/ with STAGELM_SCRIPT, e.g. benchmarks/decode_profile.py).
 # The machine's JAX (with libtpu) stays first; what else the decoder, the train step and the
 # generator import (flax, optax, tokenizers, pyarrow, pyyaml, safetensors, filelock) comes from
 # a local package index (PIP_INDEX, default the machine's own, file:///opt/pypi/simple), and
@@ -17,5 +18,5 @@ if compgen -G ".whl-tpu/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site"
 echo "tpu.sh: installed in $(( $(date +%s) - start )) s"
-PYTHONUNBUFFERED=1 python3 benchmarks/accelerator.py "$@"
+PYTHONUNBUFFERED=1 python3 "${STAGELM_SCRIPT:-benchmarks/accelerator.py}" "$@"
 echo "tpu.sh: done in $(( $(date +%s) - start )) s"
