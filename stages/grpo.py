@@ -17,6 +17,7 @@ from flax import nnx
 from stagelm.data.loader import PackedRows
 from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infer.generate import Generator
+from stagelm.infra.devices import peak_flops
 from stagelm.infra.errors import run_main
 from stagelm.infra.files import read_json, write_json
 from stagelm.model.decoder import count_params
@@ -68,7 +69,7 @@ def main() -> None:
     extra = {"params_count": count_params(final), "context_len": context, "method": cfg.method}
     save_model(args.out / "model", final, tokenizer_file, extra)
     record_training(stage, run, result, trainable_params=n_train)
-    summary = rollout_summary(result.history)
+    summary = rollout_summary(result.history, peak_flops(model.cfg.dtype))
     if jax.process_index() == 0:  # what the run earned, over its first and last ten rollouts, and its samples
         write_json(args.out / "metrics.json", {**read_json(args.out / "metrics.json"), **summary})
     s, first, last = result.summary, summary["reward_first10"], summary["reward_last10"]

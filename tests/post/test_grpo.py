@@ -396,6 +396,14 @@ def test_grpo_mean_reward_rises(micro_data, policy, tmp_path):
     summary = read_json(tmp_path / "out/metrics.json")  # what `dvc exp show` lists beside the loss
     assert summary["reward_first10"] == pytest.approx(np.mean(rewards[:10]), abs=1e-6)
     assert summary["reward_last10"] == pytest.approx(np.mean(rewards[-10:]), abs=1e-6)
+    # Both phases' speed: completion tokens sampled, and the rows' tokens trained on, per second
+    # (medians over the rollouts); the update's MFU only against a published peak: a CPU has none.
+    perf = (tmp_path / "out/plots/metrics/perf/rollout_tokens_per_sec.tsv").read_text().strip().splitlines()[1:]
+    speeds = [float(r.split("\t")[1]) for r in perf]
+    assert (
+        summary["rollout_tokens_per_sec"] == pytest.approx(np.median(speeds)) and summary["rollout_tokens_per_sec"] > 0
+    )
+    assert summary["update_tokens_per_sec"] > 0 and summary["update_mfu"] is None
 
 
 @pytest.mark.slow
@@ -644,3 +652,18 @@ def test_revisit_samples_the_last_rollouts_unsure_prompts_first(micro_data, poli
     again = [*revisited_next, *rollouts.prompt_indices(4, 8 - len(revisited_next))]
     tokens, _, _ = gen.layout([rollouts.prompts[i] for i in again for _ in range(4)], 12)
     np.testing.assert_array_equal(rollouts.batch["tokens"][:, : tokens.shape[1]], np.asarray(tokens))
+
+
+def test_the_rollout_summary_gives_both_phases_speed_and_the_updates_mfu_against_a_peak():
+    from stagelm.post.rollouts import rollout_summary
+
+    history = [
+        {"rollout/reward": 0.5, "rollout/accuracy": 0.5, "rollout/entropy": 1.0, "rollout/samples_seen": 256.0 * i}
+        | {"perf/rollout_tokens_per_sec": 1000.0 * i}
+        | ({"perf/update_tokens_per_sec": 10.0 * i, "perf/update_flops_per_sec": 2e12 * i} if i > 1 else {})
+        for i in range(1, 5)
+    ]
+    summary = rollout_summary(history, peak=1e13)
+    assert summary["rollout_tokens_per_sec"] == 2500.0 and summary["update_tokens_per_sec"] == 30.0
+    assert summary["update_mfu"] == pytest.approx(0.6) and summary["samples"] == 1024.0
+    assert rollout_summary(history)["update_mfu"] is None  # no published peak (a CPU)

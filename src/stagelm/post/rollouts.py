@@ -30,6 +30,7 @@ from stagelm.infer.generate import BUCKET, Generator, Sampling
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
 from stagelm.infra.mesh import mine, to_host
+from stagelm.model.decoder import flops_per_token
 from stagelm.model.footprint import generation_bytes
 from stagelm.pipeline.config import GrpoConfig
 from stagelm.post.grpo import group_advantages, token_logprobs
@@ -240,6 +241,7 @@ class Rollouts:
         cfg = self.cfg
         jax.block_until_ready(policy)
         update_s = time.perf_counter() - self.ready_at if self.ready_at is not None else None
+        updated = None if self.batch is None else self.batch["tokens"].shape  # the rows the update(s) just trained on
         t0 = time.perf_counter()
         per = cfg.prompts_per_step
         key = jax.random.fold_in(jax.random.key(self.seed), self.rollout)
@@ -272,6 +274,9 @@ class Rollouts:
         metrics["perf/rollout_tokens_per_sec"] = float(sum(sum(g.lengths) for g in drawn) / rollout_s)
         if update_s is not None:
             metrics["perf/update_seconds"] = update_s
+            tokens_per_sec = updated[0] * updated[1] * cfg.updates_per_rollout / update_s
+            metrics["perf/update_tokens_per_sec"] = tokens_per_sec
+            metrics["perf/update_flops_per_sec"] = tokens_per_sec * flops_per_token(self.gen.model.cfg, updated[1])
         return metrics
 
     def layout(self, policy: Any, groups: list[Group]) -> dict[str, np.ndarray]:
@@ -382,14 +387,27 @@ def require_rollout_memory(rollouts: Rollouts, model_cfg: Any, cfg: GrpoConfig) 
     require_memory(need, "grpo.group_size", what, fix="lower it, grpo.prompts_per_step or raise grpo.grad_accum")
 
 
-def rollout_summary(history: list[dict[str, float]]) -> dict[str, float]:
+def rollout_summary(history: list[dict[str, float]], peak: float | None = None) -> dict[str, float | None]:
     """What a run earned, for metrics.json: mean reward, accuracy and entropy over its first and
-    last ten rollouts, and the samples it drew."""
+    last ten rollouts, and the samples it drew; and how fast its two phases ran, medians over the
+    rollouts: `rollout_tokens_per_sec` (completion tokens sampled), `update_tokens_per_sec` (the
+    rows' tokens the update trained on, from a batch's arrival to the next rollout, so with its
+    logging and checkpoints) and `update_mfu` against the device's published `peak` (None where
+    none is known, as on a CPU)."""
     logged = [r for r in history if "rollout/reward" in r]
-    summary = {}
+    summary: dict[str, float | None] = {}
     for name in ("reward", "accuracy", "entropy"):
         values = [r[f"rollout/{name}"] for r in logged]
         summary[f"{name}_first10"] = float(np.mean(values[:10]))
         summary[f"{name}_last10"] = float(np.mean(values[-10:]))
     summary["samples"] = logged[-1]["rollout/samples_seen"]
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in history if key in r]
+        return float(np.median(values)) if values else None
+
+    summary["rollout_tokens_per_sec"] = median("perf/rollout_tokens_per_sec")
+    summary["update_tokens_per_sec"] = median("perf/update_tokens_per_sec")
+    flops = median("perf/update_flops_per_sec")
+    summary["update_mfu"] = flops / peak if flops is not None and peak else None
     return summary
