@@ -200,6 +200,12 @@ BAD = [  # (body, status, param or None, words of the message)
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "not served here"),
     ({"model": NAME, "messages": [{"role": "user", "content": "word " * 500}]}, 400, "messages", "exceed the cache"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", ""),
+    (
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+        "",
+    ),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature", ""),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p", ""),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n", ""),

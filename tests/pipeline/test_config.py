@@ -68,6 +68,21 @@ def test_micro_params_parse():
         ),
         ("model", "attention", "flash", "model.attention: expected one of 'auto', 'reference', 'splash', got 'flash'"),
         ("model", "remat", "full", "model.remat: expected one of 'none', 'dots', 'block', got 'full'"),
+        (
+            "data",
+            "source",
+            "s3://bucket/corpus",
+            "data.source: expected 'synthetic', 'files:<path, folder or glob>' or "
+            "'hf:<dataset id or local dir>', got 's3://bucket/corpus'",
+        ),
+        (
+            "data",
+            "source",
+            "files:",
+            "data.source: expected 'synthetic', 'files:<path, folder or glob>' or "
+            "'hf:<dataset id or local dir>', got 'files:'",
+        ),
+        ("data", "text_field", "", "data.text_field: expected a non-empty string, got ''"),
     ],
 )
 def test_wrong_values_name_the_key(section, key, value, message):

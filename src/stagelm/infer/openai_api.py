@@ -62,11 +62,11 @@ def settings(body: dict, slots: int, default_max: int, defaults: dict[str, float
     """The sampling fields of a request, type- and range-checked; `defaults` (the model's
     generation_config.json: temperature, top_p) stand where the request gives none, else OpenAI's 1."""
     defaults = defaults or {}
-    max_tokens = field(body, "max_tokens", (int,), None)
-    if max_tokens is None:
-        max_tokens = field(body, "max_completion_tokens", (int,), default_max)
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens: expected a positive integer, got {shown(max_tokens)}", "max_tokens")
+    given = {name: field(body, name, (int,), None) for name in ("max_tokens", "max_completion_tokens")}
+    for name, value in given.items():  # both checked: max_tokens wins, but a bad one beside it is still bad
+        if value is not None and value < 1:
+            raise BadRequest(f"{name}: expected a positive integer, got {shown(value)}", name)
+    max_tokens = next((v for v in given.values() if v is not None), default_max)
     temperature = float(field(body, "temperature", (int, float), defaults.get("temperature", 1.0)))
     if not 0 <= temperature <= 2:
         raise BadRequest(f"temperature: expected a number in [0, 2], got {temperature}", "temperature")

@@ -33,6 +33,11 @@ SEED = (lambda v: 0 <= v < 2**32, "an {type} in [0, 2**32)")  # what jax.random.
 NORM_EPS = (lambda v: 0 < v <= 0.1, "a positive {type} of at most 0.1")
 ROPE_BASE = (lambda v: 0 < v <= 1e12, "a positive {type} of at most 1e12")
 INIT_STD = (lambda v: 0 < v <= 1, "a positive {type} of at most 1")
+NON_EMPTY = (lambda v: v.strip() != "", "a non-empty {type}")
+SOURCE = (
+    lambda v: v == "synthetic" or (v.startswith(("files:", "hf:")) and v.partition(":")[2].strip() != ""),
+    "'synthetic', 'files:<path, folder or glob>' or 'hf:<dataset id or local dir>'",
+)
 
 
 def one_of(*choices: str) -> tuple:
@@ -57,12 +62,13 @@ class DataConfig:
     """The download stage's corpus and task sets: where they come from and how they split."""
 
     source: str = param(
-        "the corpus: synthetic, files:<path, folder or glob under data.inputs>, or hf:<dataset id or local dir>"
+        "the corpus: synthetic, files:<path, folder or glob under data.inputs>, or hf:<dataset id or local dir>",
+        SOURCE,
     )
     seed: int = param("the data's own seed: synthetic generator, train/val split, tokenizer sample", SEED)
     val_fraction: float = param("share of documents held out for validation", FRACTION)
     num_documents: int = param("synthetic corpus size, in documents", POSITIVE)
-    text_field: str = param("the text column of jsonl, parquet and csv files and of hf datasets")
+    text_field: str = param("the text column of jsonl, parquet and csv files and of hf datasets", NON_EMPTY)
     hf_revision: str | None = param(
         "a hub dataset's commit, tag or branch (required for a hub id; null for a local dir)"
     )
