@@ -327,7 +327,7 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp
                     "vocab_size": None,
                 },
             },
-            "distill.student.d_model: 16 differs from the teacher's 32",
+            "distill.student.d_model: 16 differs from the teacher's d_model, 32",
         ),
         (
             {
@@ -341,7 +341,7 @@ def test_distill_stage_resumes_after_sigkill_bitwise(micro_data, pretrained, tmp
                     "vocab_size": None,
                 },
             },
-            "distill.student.n_layers: 3 is more than the teacher's 2",
+            "distill.student.n_layers: 3 is more than the teacher's n_layers, 2",
         ),
     ],
 )

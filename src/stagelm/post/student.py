@@ -24,27 +24,10 @@ from stagelm.infer.generate import Generator, Sampling
 from stagelm.infra.errors import StagelmError
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.model.modeldir import load_model, read_model_context
-from stagelm.pipeline.config import DistillConfig, StudentConfig
+from stagelm.pipeline.config import DistillConfig
+from stagelm.pipeline.params import require_prunable_student
 from stagelm.post.distill import Distiller, OnPolicyBatches
 from stagelm.train.batches import PackedBatches
-
-
-def check_prunable(student: StudentConfig, teacher: DecoderConfig, teacher_dir: Path) -> None:
-    """Refuse, naming the key, a `distill.student` shape that `student_from_teacher` cannot cut from the teacher."""
-    key = student.unprunable(teacher)
-    if key is None:
-        return
-    mine, theirs = getattr(student, key), getattr(teacher, key)
-    if key in student.KEPT_WHEN_PRUNED:
-        raise StagelmError(
-            f"distill.student.{key}: {mine} differs from the teacher's {theirs} ({teacher_dir}); with "
-            "distill.init: teacher the student keeps the teacher's embeddings and attention, so set it "
-            "to the teacher's (or distill.init: scratch)"
-        )
-    raise StagelmError(
-        f"distill.student.{key}: {mine} is more than the teacher's {theirs} ({teacher_dir}); "
-        "distill.init: teacher can only remove layers and MLP units"
-    )
 
 
 def teacher_layers(n_teacher: int, n_student: int) -> list[int]:
@@ -63,7 +46,8 @@ def mlp_units(gate_up: np.ndarray, down: np.ndarray, keep: int) -> np.ndarray:
 
 
 def student_from_teacher(teacher: Decoder, cfg: DecoderConfig) -> Decoder:
-    """A `cfg`-shaped student whose every weight is cut from the teacher's (`check_prunable` first).
+    """A `cfg`-shaped student whose every weight is cut from the teacher's (refused first by
+    `pipeline.params.require_prunable_student` where it cannot be).
 
     The embeddings, the final norm and each kept layer's norms and attention are copied
     whole; the layers are `teacher_layers`, and each kept MLP keeps the `cfg.d_ff` units
@@ -104,8 +88,7 @@ def check_student(cfg: DistillConfig, teacher: DecoderConfig, teacher_dir: Path)
             f"distill.student.vocab_size: {student.vocab_size} differs from the teacher's {teacher.vocab_size} "
             f"({teacher_dir}); the student shares the teacher's tokenizer, set it to null"
         )
-    if cfg.init == "teacher":
-        check_prunable(student, teacher, teacher_dir)
+    require_prunable_student(cfg, teacher, "the teacher's ")  # the check `stagelm check` runs on the model section
 
 
 def distill_line(cfg: DistillConfig, n_student: int, n_teacher: int, init: str) -> str:
