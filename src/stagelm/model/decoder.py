@@ -280,20 +280,13 @@ class Attention(nnx.Module):
     def prefill(self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, layer: "LayerCache"):
         """Attention over this call's T tokens alone, as training computes it, their k/v written at slots [0, T)."""
         q, k, v = self.project_qkv(x, rot)
-        y = self.over_rows(q, k, v, mask)
-        start = (0, 0, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(layer.k, k.transpose(0, 2, 1, 3).astype(layer.k.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(layer.v, v.transpose(0, 2, 1, 3).astype(layer.v.dtype), start)
-        return self.o(y), LayerCache(k_all, v_all)
+        return self.o(self.over_rows(q, k, v, mask)), layer.written(k, v, jnp.int32(0))
 
     def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
         q, k, v = self.project_qkv(x, rot)
-        start = (0, 0, index, 0)  # the cache is (B, K, S, Dh): this call's T tokens are transposed, not the cache
-        k_all = jax.lax.dynamic_update_slice(layer.k, k.transpose(0, 2, 1, 3).astype(layer.k.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(layer.v, v.transpose(0, 2, 1, 3).astype(layer.v.dtype), start)
-        y = heads_major_attention(q, k_all.astype(x.dtype), v_all.astype(x.dtype), mask)
-        return self.o(y), LayerCache(k_all, v_all)
+        layer = layer.written(k, v, index)
+        return self.o(heads_major_attention(q, layer.k.astype(x.dtype), layer.v.astype(x.dtype), mask)), layer
 
 
 class MLP(nnx.Module):
@@ -402,9 +395,7 @@ class Decoder(nnx.Module):
         segment-aware causal mask as training applies: rows may be left-padded
         (segment 0) and carry their own positions.
         """
-        start = (0, index)
-        seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
-        pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
+        seg, pos = cache.slots_written(segment_ids, positions, index)
         mask = segment_causal_mask(segment_ids, seg, positions, pos)
         x = self.embed_tokens(tokens)
         rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
@@ -422,9 +413,7 @@ class Decoder(nnx.Module):
         [0, T): `cached` at index 0, computed as training computes the rows (attention over the
         T tokens alone, causal halves or the splash kernel, not over every slot of the cache) and
         with only the logits a generation reads."""
-        start = (0, 0)
-        seg = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
-        pos = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
+        seg, pos = cache.slots_written(segment_ids, positions, jnp.int32(0))
         x = self.embed_tokens(tokens)
         mask = self.row_mask(segment_ids, positions, prompt=True)
         rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
@@ -472,6 +461,15 @@ class LayerCache(NamedTuple):
     k: jax.Array  # (B, K, S, Dh): heads major, so attention reads it as it lies
     v: jax.Array
 
+    def written(self, k: jax.Array, v: jax.Array, index: jax.Array) -> "LayerCache":
+        """This cache with a call's k/v (B, T, K, Dh) at slots [index, index + T): the T new
+        tokens are transposed to the cache's layout, never the cache."""
+        start = (0, 0, index, 0)
+        return LayerCache(
+            jax.lax.dynamic_update_slice(self.k, k.transpose(0, 2, 1, 3).astype(self.k.dtype), start),
+            jax.lax.dynamic_update_slice(self.v, v.transpose(0, 2, 1, 3).astype(self.v.dtype), start),
+        )
+
 
 class KVCache(NamedTuple):
     """A fixed-capacity cache of S slots: per-layer k/v plus each slot's segment (0 = empty) and position."""
@@ -479,6 +477,14 @@ class KVCache(NamedTuple):
     layers: tuple[LayerCache, ...]
     segment_ids: jax.Array  # (B, S)
     positions: jax.Array  # (B, S)
+
+    def slots_written(self, segment_ids: jax.Array, positions: jax.Array, index: jax.Array) -> tuple:
+        """(segment ids, positions) of every slot once a call's (B, T) are written at [index, index + T)."""
+        start = (0, index)
+        return (
+            jax.lax.dynamic_update_slice(self.segment_ids, segment_ids.astype(jnp.int32), start),
+            jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), start),
+        )
 
 
 def init_cache(cfg: DecoderConfig, batch: int, capacity: int) -> KVCache:
