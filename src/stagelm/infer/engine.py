@@ -195,7 +195,7 @@ class Engine:
             raise ValueError(f"n={request.choices} exceeds the engine's {self.slots} slots")
         self.gen.layout([request.prompt], request.max_tokens)  # raises on a prompt the cache cannot hold
         with self.lock:
-            busy = len(self.rows) + sum(r.choices for r in self.waiting)  # rows decoding or waiting for one
+            busy = self.active() + sum(r.choices for r in self.waiting)  # rows decoding or waiting for one
             if busy + request.choices > self.slots + self.queue_limit and not force:
                 self.counters["rejected"] += 1
                 return False
@@ -204,13 +204,18 @@ class Engine:
             self.lock.notify()
         return True
 
+    def active(self) -> int:
+        """Rows still decoding: one that has ended is free (its slot is reused at the next step) as
+        soon as its request hears so, though the engine drops it only after the step."""
+        return sum(not row.done for row in list(self.rows))
+
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             steps = dict(sorted(self.counters["steps_by_batch"].items()))
             return {
                 "slots": self.slots,
                 "queue_limit": self.queue_limit,
-                "active": len(self.rows),
+                "active": self.active(),
                 "waiting": len(self.waiting),
                 "requests": self.counters["requests"],
                 "rejected": self.counters["rejected"],
@@ -323,25 +328,27 @@ class Engine:
             return
         request = row.request
         if request.ended(row.choice):
-            row.done = True
             self.end_early(row)
             return
         if self.stop[request.chat][token]:
-            row.done = True
-            request.emit(row.choice, None, "stop")
+            self.finish(row, "stop")
             return
         row.generated += 1
         request.emit(row.choice, token, None)
         if row.generated >= request.max_tokens:
+            self.finish(row, "length")
+
+    def finish(self, row: Row, reason: str) -> None:
+        """End a row: it stops counting as active before its client can hear that it ended."""
+        with self.lock:
             row.done = True
-            request.emit(row.choice, None, "length")
+            if reason == "cancelled" and row.request.cancelled.is_set():
+                self.counters["cancelled"] += 1
+        row.request.emit(row.choice, None, reason)
 
     def end_early(self, row: Row) -> None:
         """Finish a row its request ended: a closed connection (counted) or a stop string."""
-        if row.request.cancelled.is_set():
-            with self.lock:
-                self.counters["cancelled"] += 1
-        row.request.emit(row.choice, None, "cancelled")
+        self.finish(row, "cancelled")
 
     def drop_finished(self) -> None:
         """Remove done or cancelled rows, moving the last active row into each hole."""
@@ -349,7 +356,6 @@ class Engine:
         while i < len(self.rows):
             row = self.rows[i]
             if row.request.ended(row.choice) and not row.done:
-                row.done = True
                 self.end_early(row)
             if not row.done:
                 i += 1
