@@ -1225,3 +1225,19 @@ def test_a_params_file_is_read_up_to_its_size(monkeypatch, capsys, tmp_path):
     code, err = run_in_process([sys.executable, str(ROOT / "stages/params.py"), "--out", "stamp.json"], capsys)
     assert code == 2 and err.startswith("error: params.yaml: 209,715,200 bytes, more than the 1,048,576"), err
     assert not Path("stamp.json").exists()
+
+
+# --- stagelm check: what params alone show can never run -------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [10, 261])
+def test_check_refuses_a_vocabulary_smaller_than_the_bytes_and_specials(monkeypatch, capsys, tmp_path, size):
+    """The tokenizer stage adds the 256 bytes and 6 special tokens: a vocabulary below 262 fails at
+    `stagelm check` (and the params stage), not when BPE starts training."""
+    err = checked(monkeypatch, capsys, tmp_path, tokenizer={"vocab_size": size})
+    assert err == (
+        "error: tokenizer.vocab_size: expected an int from 262 (the 256 bytes and 6 special tokens) to 2,097,152, "
+        f"got {size}\n"
+    )
+    assert not (tmp_path / "data").exists()
+    assert checked(monkeypatch, capsys, tmp_path, tokenizer={"vocab_size": 262}) == ""

@@ -17,6 +17,7 @@ from stagelm.data.tokenizer import (
     train_tokenizer,
 )
 from stagelm.infra.errors import StagelmError
+from stagelm.pipeline.config import MIN_VOCAB
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,8 @@ def test_special_tokens_take_the_first_ids_and_vocab_is_bounded(tok, tmp_path):
 def test_vocab_too_small_for_bytes_and_specials():
     with pytest.raises(StagelmError, match=r"^tokenizer\.vocab_size: 100 is below 262"):
         train_tokenizer(["some text"], 100)
+    assert len(SPECIAL_TOKENS) + 256 == MIN_VOCAB  # the floor `stagelm check` holds tokenizer.vocab_size to
+    assert train_tokenizer(["some text"], MIN_VOCAB).get_vocab_size() == MIN_VOCAB
 
 
 def test_chat_template_masks_only_assistant_tokens(tok):

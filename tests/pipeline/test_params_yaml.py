@@ -101,7 +101,8 @@ def test_corpus_paths_must_lie_in_the_folder_dvc_hashes(tmp_path):
 def test_sizes_no_machine_runs_are_refused_before_any_stage():
     with pytest.raises(Exception, match=r"^training\.steps: expected a positive int of at most 1,000,000,000"):
         validate_params(micro_params(training={"steps": 10**30}))
-    with pytest.raises(Exception, match=r"^tokenizer\.vocab_size: expected a positive int of at most 2,097,152"):
+    bounds = r"an int from 262 \(the 256 bytes and 6 special tokens\) to 2,097,152"
+    with pytest.raises(Exception, match=rf"^tokenizer\.vocab_size: expected {bounds}, got 1000000000$"):
         validate_params(micro_params(tokenizer={"vocab_size": 10**9}))
     validate_params(micro_params(tokenizer={"vocab_size": 262144}))  # Gemma's vocabulary: fine
 

@@ -36,10 +36,10 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from stagelm.infra.errors import StagelmError
+from stagelm.pipeline.config import MIN_VOCAB  # 256 + len(SPECIAL_TOKENS): tokenizer.vocab_size's floor
 
 PAD, BOS, EOS, USER, ASSISTANT, END = "<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT, END]
-MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 MAX_PIECE_CHARS = 1 << 16  # characters of a document encoded at a time
 TRAIN_PIECE_CHARS = 1 << 10  # characters of such a document BPE trains on at a time
 

@@ -122,13 +122,21 @@ def inside(pattern: str, folder: str) -> bool:
     return base == root or base.startswith(root.rstrip(os.sep) + os.sep)
 
 
+# The smallest vocabulary the tokenizer stage can train: the byte-level alphabet and the special tokens
+# it adds (data.tokenizer.SPECIAL_TOKENS: pad, bos, eos, user, assistant, end).
+MIN_VOCAB = 256 + 6
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
     """The byte-level BPE tokenizer that the tokenizer stage trains on the train split."""
 
     vocab_size: int = param(
         "vocabulary size: the 256 bytes, the special tokens and the merges BPE learns",
-        (lambda v: 0 < v <= 1 << 21, "a positive {type} of at most 2,097,152"),  # BPE's merge table must fit memory
+        (  # at most: BPE's merge table must fit memory
+            lambda v: MIN_VOCAB <= v <= 1 << 21,
+            f"an {{type}} from {MIN_VOCAB} (the 256 bytes and {MIN_VOCAB - 256} special tokens) to 2,097,152",
+        ),
     )
     min_frequency: int = param("a pair merges only if it occurs at least this often", POSITIVE)
     # A cap, so BPE's time and memory do not grow with the corpus.
