@@ -1241,3 +1241,27 @@ def test_check_refuses_a_vocabulary_smaller_than_the_bytes_and_specials(monkeypa
     )
     assert not (tmp_path / "data").exists()
     assert checked(monkeypatch, capsys, tmp_path, tokenizer={"vocab_size": 262}) == ""
+
+
+def test_check_refuses_a_student_vocabulary_other_than_the_teachers(monkeypatch, capsys, tmp_path):
+    """The student shares the teacher's tokenizer: a distill.student.vocab_size other than null or the
+    teacher's (tokenizer.vocab_size, or model.init_from's checkpoint's) fails at check, not after SFT."""
+    for init in ("scratch", "teacher"):
+        distill = {"init": init, "student": {**STUDENT, "vocab_size": 999}}
+        err = checked(monkeypatch, capsys, tmp_path, distill=distill)
+        assert err == (
+            "error: distill.student.vocab_size: 999 differs from tokenizer.vocab_size, 300; the student shares "
+            "the teacher's tokenizer, so set it to null\n"
+        )
+    assert checked(monkeypatch, capsys, tmp_path, distill={"student": {**STUDENT, "vocab_size": 300}}) == ""
+    (tmp_path / "inputs/llama").mkdir(parents=True)
+    (tmp_path / "inputs/llama/config.json").write_text(json.dumps(LLAMA))
+    student = {**STUDENT, "d_model": 16, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 300}
+    sections = {"model": {"init_from": "hf:inputs/llama"}, "distill": {"init": "teacher", "student": student}}
+    err = checked(monkeypatch, capsys, tmp_path, **sections)
+    vocab = LLAMA["vocab_size"]
+    assert err.startswith(
+        f"error: distill.student.vocab_size: 300 differs from the teacher's (hf:inputs/llama) vocab_size, {vocab}; "
+    ), err
+    sections["distill"]["student"]["vocab_size"] = vocab
+    assert checked(monkeypatch, capsys, tmp_path, **sections) == ""

@@ -88,10 +88,11 @@ def init_checkpoint(sections: dict) -> Any:
     if init_from is None:
         return None
     from stagelm.interop.checkpoint import checkpoint_config, checkpoint_source
-    from stagelm.pipeline.params import require_prunable_student
+    from stagelm.pipeline.params import require_prunable_student, require_student_vocab
 
     checkpoint = checkpoint_config(checkpoint_source(init_from))[0]
     require_prunable_student(sections["distill"], checkpoint, f"the teacher's ({init_from}) ")
+    require_student_vocab(sections["distill"], checkpoint.vocab_size, f"the teacher's ({init_from}) ")
     return checkpoint
 
 

@@ -87,6 +87,7 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
     require_lm_eval_tasks(sections["eval"], sections["data"])
     if sections["model"].init_from is None:  # else the teacher is the checkpoint's shape: `stagelm check` reads it
         require_prunable_student(sections["distill"], sections["model"], "model.")
+        require_student_vocab(sections["distill"], sections["tokenizer"].vocab_size, "tokenizer.")
     return sections
 
 
@@ -229,6 +230,19 @@ def require_prunable_student(cfg: DistillConfig, teacher: Any, whose: str) -> No
         f"distill.student.{key}: {mine} is more than {whose}{key}, {theirs}; distill.init: teacher can only remove "
         "the teacher's layers and MLP units, so lower it (or set distill.init: scratch for a larger student)"
     )
+
+
+def require_student_vocab(cfg: DistillConfig, vocab: int, whose: str) -> None:
+    """Refuse a `distill.student.vocab_size` other than null or the teacher's `vocab` (the student shares the
+    teacher's tokenizer), `whose` naming where that vocabulary is set. From params alone the teacher's is
+    tokenizer.vocab_size: BPE fills it unless the corpus runs out of pairs to merge, so null is the one
+    value that always fits."""
+    mine = cfg.student.vocab_size
+    if mine is not None and mine != vocab:
+        raise StagelmError(
+            f"distill.student.vocab_size: {mine} differs from {whose}vocab_size, {vocab}; the student shares the "
+            "teacher's tokenizer, so set it to null"
+        )
 
 
 def lm_eval_installed() -> bool:

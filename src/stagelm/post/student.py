@@ -25,7 +25,7 @@ from stagelm.infra.errors import StagelmError
 from stagelm.model.decoder import Decoder, DecoderConfig
 from stagelm.model.modeldir import load_model, read_model_context
 from stagelm.pipeline.config import DistillConfig
-from stagelm.pipeline.params import require_prunable_student
+from stagelm.pipeline.params import require_prunable_student, require_student_vocab
 from stagelm.post.distill import Distiller, OnPolicyBatches
 from stagelm.train.batches import PackedBatches
 
@@ -82,12 +82,7 @@ def as_control(cfg: DistillConfig) -> DistillConfig:
 
 def check_student(cfg: DistillConfig, teacher: DecoderConfig, teacher_dir: Path) -> None:
     """Refuse, naming the key, a student the teacher's vocabulary or (when pruned) shape cannot give."""
-    student = cfg.student
-    if student.vocab_size is not None and student.vocab_size != teacher.vocab_size:
-        raise StagelmError(
-            f"distill.student.vocab_size: {student.vocab_size} differs from the teacher's {teacher.vocab_size} "
-            f"({teacher_dir}); the student shares the teacher's tokenizer, set it to null"
-        )
+    require_student_vocab(cfg, teacher.vocab_size, f"the teacher's ({teacher_dir}) ")  # as `stagelm check` does
     require_prunable_student(cfg, teacher, "the teacher's ")  # the check `stagelm check` runs on the model section
 
 
