@@ -1265,3 +1265,26 @@ def test_check_refuses_a_student_vocabulary_other_than_the_teachers(monkeypatch,
     ), err
     sections["distill"]["student"]["vocab_size"] = vocab
     assert checked(monkeypatch, capsys, tmp_path, **sections) == ""
+
+
+def test_check_refuses_a_tensor_axis_that_splits_no_heads(monkeypatch, capsys, tmp_path):
+    """mesh.tensor splits the attention heads, key/value heads and MLP width: one that does not divide them
+    (the weights would stay whole on every device, silently) fails at check, for the model and the student."""
+    tail = "; the tensor axis splits the attention heads, key/value heads and MLP width"
+    err = checked(monkeypatch, capsys, tmp_path, mesh={"tensor": 3})  # the micro model: 4 heads, 2 kv heads
+    assert err.startswith(f"error: mesh.tensor: 3 does not divide model.n_heads, 4{tail} (model.n_heads,"), err
+    err = checked(monkeypatch, capsys, tmp_path, mesh={"tensor": 4})
+    assert err.startswith(f"error: mesh.tensor: 4 does not divide model.n_kv_heads, 2{tail}"), err
+    student = {**STUDENT, "d_ff": 33}
+    err = checked(monkeypatch, capsys, tmp_path, mesh={"tensor": 2}, distill={"student": student})
+    assert err.startswith(f"error: mesh.tensor: 2 does not divide distill.student.d_ff, 33{tail}"), err
+    (tmp_path / "inputs/llama").mkdir(parents=True)
+    (tmp_path / "inputs/llama/config.json").write_text(json.dumps(LLAMA))  # 2 heads, 1 kv head
+    sections = {"model": {"init_from": "hf:inputs/llama"}, "distill": {"init": "scratch", "student": STUDENT}}
+    err = checked(monkeypatch, capsys, tmp_path, mesh={"tensor": 2}, **sections)
+    assert err.startswith(
+        f"error: mesh.tensor: 2 does not divide the checkpoint's (hf:inputs/llama) n_kv_heads, 1{tail}"
+    )
+    for tensor in (1, -1):
+        assert checked(monkeypatch, capsys, tmp_path, mesh={"tensor": tensor}, **sections) == ""
+    assert checked(monkeypatch, capsys, tmp_path, mesh={"tensor": 2}) == ""

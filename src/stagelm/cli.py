@@ -82,17 +82,18 @@ def check(args: argparse.Namespace) -> None:
 
 def init_checkpoint(sections: dict) -> Any:
     """The DecoderConfig of the checkpoint `model.init_from` names (its config alone), or None (from scratch);
-    the distill student is checked against it, the SFT model's shape (the params stage checks it against
-    the model section's when there is none)."""
+    the distill student and mesh.tensor are checked against it, the SFT model's shape (the params stage checks
+    them against the model section's when there is none)."""
     init_from = sections["model"].init_from
     if init_from is None:
         return None
     from stagelm.interop.checkpoint import checkpoint_config, checkpoint_source
-    from stagelm.pipeline.params import require_prunable_student, require_student_vocab
+    from stagelm.pipeline.params import require_prunable_student, require_student_vocab, require_tensor_split
 
     checkpoint = checkpoint_config(checkpoint_source(init_from))[0]
     require_prunable_student(sections["distill"], checkpoint, f"the teacher's ({init_from}) ")
     require_student_vocab(sections["distill"], checkpoint.vocab_size, f"the teacher's ({init_from}) ")
+    require_tensor_split(sections["mesh"], checkpoint, f"the checkpoint's ({init_from}) ")
     return checkpoint
 
 

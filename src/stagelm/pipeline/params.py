@@ -25,7 +25,16 @@ from ruamel.yaml.error import YAMLError
 
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import read_regular_file
-from stagelm.pipeline.config import SECTIONS, SEED, DataConfig, DistillConfig, EvalConfig, ModelConfig, inside
+from stagelm.pipeline.config import (
+    SECTIONS,
+    SEED,
+    DataConfig,
+    DistillConfig,
+    EvalConfig,
+    MeshConfig,
+    ModelConfig,
+    inside,
+)
 
 # The most a params.yaml or dvc.yaml may hold: the shipped ones are ~11 and ~30 KB; one of hundreds
 # of MB would otherwise be read whole into memory and parsed in pure Python.
@@ -88,6 +97,8 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
     if sections["model"].init_from is None:  # else the teacher is the checkpoint's shape: `stagelm check` reads it
         require_prunable_student(sections["distill"], sections["model"], "model.")
         require_student_vocab(sections["distill"], sections["tokenizer"].vocab_size, "tokenizer.")
+        require_tensor_split(sections["mesh"], sections["model"], "model.")
+    require_tensor_split(sections["mesh"], sections["distill"].student, "distill.student.")
     return sections
 
 
@@ -243,6 +254,21 @@ def require_student_vocab(cfg: DistillConfig, vocab: int, whose: str) -> None:
             f"distill.student.vocab_size: {mine} differs from {whose}vocab_size, {vocab}; the student shares the "
             "teacher's tokenizer, so set it to null"
         )
+
+
+def require_tensor_split(mesh: MeshConfig, shape: Any, whose: str) -> None:
+    """Refuse a `mesh.tensor` that does not divide what the tensor axis splits (infra.mesh.RULES: the attention
+    heads, the key/value heads and the MLP width) in a model the stages run, `shape` (anything with ModelShape's
+    sizes) with `whose` naming them: infra.mesh.fit_spec would keep those weights whole on every device."""
+    if mesh.tensor <= 1:  # 1: nothing split; -1: the devices left over, known only when a stage starts
+        return
+    for key in ("n_heads", "n_kv_heads", "d_ff"):
+        if getattr(shape, key) % mesh.tensor:
+            raise StagelmError(
+                f"mesh.tensor: {mesh.tensor} does not divide {whose}{key}, {getattr(shape, key)}; the tensor axis "
+                f"splits the attention heads, key/value heads and MLP width ({whose}n_heads, n_kv_heads, d_ff), "
+                "so set it to a divisor of all three, or 1"
+            )
 
 
 def lm_eval_installed() -> bool:
