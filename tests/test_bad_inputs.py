@@ -422,8 +422,22 @@ def test_sizes_beyond_the_machine_are_refused_before_allocating(
     if "available" in err:  # a size the memory cannot hold (not one the data cannot fill)
         (tmp_path / "inputs").mkdir()
         monkeypatch.setattr(sys, "argv", ["stagelm", "check", "--pipeline", str(ROOT / "dvc.yaml")])
-        cli.main()  # `stagelm check` says so too, before any stage runs (a warning: another machine may fit it)
-        assert "warning: " in capsys.readouterr().out
+        key = words.split(":")[0]
+        if key in NOWHERE:  # one device must hold it, and no machine does: refused before any stage runs
+            with pytest.raises(SystemExit) as exit_info:
+                cli.main()
+            err = capsys.readouterr().err
+            assert exit_info.value.code == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"error: {key}: ") and "more than any one machine holds (65,536.0 GiB)" in err
+        else:  # `stagelm check` says so too, before any stage runs (a warning: another machine may fit it)
+            cli.main()
+            assert "warning: " in capsys.readouterr().out
+        assert not [p for p in tmp_path.iterdir() if p.name not in ("params.yaml", "inputs")]
+
+
+# What one process or device must hold whatever the mesh, beyond any machine's memory (64 TiB), at SIZES'
+# values: `stagelm check` refuses these; the rest fit no machine like this one but may fit another.
+NOWHERE = ("benchmark.matmul_size", "benchmark.seq_len", "benchmark.new_tokens")
 
 
 def test_eval_counts_what_generating_long_answers_allocates(capsys, micro_data, pretrained, tmp_path, monkeypatch):
@@ -1288,3 +1302,31 @@ def test_check_refuses_a_tensor_axis_that_splits_no_heads(monkeypatch, capsys, t
     for tensor in (1, -1):
         assert checked(monkeypatch, capsys, tmp_path, mesh={"tensor": tensor}, **sections) == ""
     assert checked(monkeypatch, capsys, tmp_path, mesh={"tensor": 2}) == ""
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "nowhere", "large"),
+    [
+        ("pack", "seq_len", 10**12, 10**8),  # pack's shard buffers: one process's, however many are launched
+        ("pack", "rows_per_shard", 10**12, 10**8),
+        ("benchmark", "matmul_size", 10**7, 10**6),  # the benchmark: one device
+        ("data", "num_documents", 10**14, 10**11),  # the synthetic corpus, generated whole by one process
+    ],
+)
+def test_check_refuses_a_size_no_machine_holds(monkeypatch, capsys, tmp_path, section, key, nowhere, large):
+    """A size one process or device must hold that exceeds any machine's memory (64 TiB) is refused at
+    check, naming its key; one beyond this machine's alone stays a warning: the stage may run elsewhere."""
+    err = checked(monkeypatch, capsys, tmp_path, **{section: {key: nowhere}})
+    assert err.startswith(f"error: {section}.{key}: ") and err.endswith(
+        ", more than any one machine holds (65,536.0 GiB); lower it\n"
+    ), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dvc.yaml", "inputs", "params.yaml"]  # nothing written
+    monkeypatch.setattr("stagelm.infra.memory.host_available", lambda: 8 << 30)  # an 8 GiB machine
+    assert checked(monkeypatch, capsys, tmp_path, **{section: {key: large}}) == ""
+    assert "warning: " in capsys.readouterr().out
+
+
+def test_check_names_a_size_beyond_a_float(monkeypatch, capsys, tmp_path):
+    """params.yaml's ints have no bound: a figure too large for a float is still one line, not an OverflowError."""
+    err = checked(monkeypatch, capsys, tmp_path, pack={"seq_len": 10**400})
+    assert err.startswith("error: pack.seq_len: pack (a shard's buffers) needs about 1.4e+394 GiB, more than"), err

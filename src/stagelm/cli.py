@@ -60,9 +60,10 @@ def check(args: argparse.Namespace) -> None:
     require_family_sets(sections["data"], sections["grpo"])
     require_inputs(sections["data"])
     checkpoint = init_checkpoint(sections)
+    estimates = memory_estimates(sections, checkpoint)  # refuses a size no machine holds
     print(f"ok: {args.params}: seed and sections {', '.join(SECTIONS)} are valid")
     print("".join(line + "\n" for line in fine_tuning_warnings(sections)), end="")
-    print_estimates(sections, checkpoint)
+    print_estimates(sections, estimates)
     paths = pipeline_vars(Path(args.pipeline))
     raw = Path(paths.get("raw_dir", "data/raw"))
     if raw.is_dir():
@@ -97,20 +98,33 @@ def init_checkpoint(sections: dict) -> Any:
     return checkpoint
 
 
-def print_estimates(sections: dict, checkpoint: Any) -> None:
-    """An ok or warning line for each stage's memory (and the synthetic corpus's disk) against this machine,
-    `checkpoint` the DecoderConfig of model.init_from's checkpoint (or None)."""
-    from stagelm.data.download import synthetic_corpus_bytes
+def memory_estimates(sections: dict, checkpoint: Any) -> dict[str, int]:
+    """The memory each stage will ask for, by what it is spent on, `checkpoint` the DecoderConfig of
+    model.init_from's checkpoint (or None). A figure one process or device must hold whatever the mesh
+    (the data stages', the benchmark's) is refused, naming its key, when no machine holds it; beyond
+    this machine's memory alone it is a warning (`print_estimates`): the stage may run on another."""
     from stagelm.data.footprint import data_stage_estimates
-    from stagelm.infra.memory import HEADROOM, gib, host_available
+    from stagelm.infra.memory import require_one_machine
     from stagelm.model.footprint import stage_estimates
+
+    estimates = {**data_stage_estimates(sections), **stage_estimates(sections, checkpoint)}
+    for what, (need, key) in estimates.items():
+        if key is not None:
+            require_one_machine(need, key, what)
+    return {what: need for what, (need, _) in estimates.items()}
+
+
+def print_estimates(sections: dict, estimates: dict[str, int]) -> None:
+    """An ok or warning line for each stage's memory (and the synthetic corpus's disk) against this machine."""
+    from stagelm.data.download import synthetic_corpus_bytes
+    from stagelm.infra.memory import HEADROOM, gib, host_available
 
     if sections["data"].source == "synthetic":
         disk, free = synthetic_corpus_bytes(sections["data"])[1], shutil.disk_usage(".").free
         fits = "ok" if disk <= free else "warning"
         print(f"{fits}: download (the synthetic corpus on disk): about {gib(disk)} of {gib(free)}")
     have = host_available()
-    for what, need in {**data_stage_estimates(sections), **stage_estimates(sections, checkpoint)}.items():
+    for what, need in estimates.items():
         fits = have is None or need + HEADROOM <= have
         print(f"{'ok' if fits else 'warning'}: {what}: about {gib(need)}" + (f" of {gib(have)}" if have else ""))
 

@@ -10,11 +10,16 @@ cgroup still allows.
     require_memory(need, "--slots", f"{slots} slots × {capacity} positions of KV cache")
 """
 
+from decimal import Decimal
 from pathlib import Path
 
 from stagelm.infra.errors import StagelmError
 
 GIB = 1 << 30
+# More memory than any one machine holds (the largest hosts hold tens of TiB, an accelerator well under
+# one): what one process or one device must hold beyond it runs nowhere, where a figure beyond this
+# machine's memory may still fit the one a stage runs on (`stagelm check` warns of that one).
+ONE_MACHINE = 1 << 46
 # What the rest of the process needs beside the figure checked (the runtime, compiled
 # programs, buffers the arithmetic does not count): a request must leave this much free.
 HEADROOM = 1 << 29
@@ -73,7 +78,18 @@ def available_bytes() -> int | None:
 
 
 def gib(n: int) -> str:
+    if n >= GIB << 60:  # beyond what a float divides (params.yaml's ints have no bound): its order of size
+        return f"{Decimal(n // GIB):.1e} GiB"
     return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def require_one_machine(need: int, key: str, what: str) -> None:
+    """Refuse, naming `key`, `need` bytes (for `what`, held by one process or device whatever the mesh)
+    that no machine holds (ONE_MACHINE), wherever the stage would run."""
+    if need > ONE_MACHINE:
+        raise StagelmError(
+            f"{key}: {what} needs about {gib(need)}, more than any one machine holds ({gib(ONE_MACHINE)}); lower it"
+        )
 
 
 def require_memory(need: int, key: str, what: str, have: int | None = None, fix: str = "lower it") -> None:

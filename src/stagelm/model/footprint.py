@@ -93,6 +93,11 @@ def train_step_floor_bytes(cfg: Any, rows: int, seq_len: int) -> int:
     return tokens * (cfg.n_layers * cfg.d_model + cfg.vocab_size) * width
 
 
+def benchmark_step_key(cfg: Any) -> str:
+    """The key a refusal of the benchmark's train step names: the larger of its two sizes."""
+    return "benchmark.batch_size" if cfg.batch_size > cfg.seq_len else "benchmark.seq_len"
+
+
 def benchmark_bytes(cfg: Any) -> dict[str, int]:
     """What each of the benchmark stage's measures allocates (`config.BenchmarkConfig`), under the
     key that drives it, so a refusal names the key to lower: the matmul; the train step's state
@@ -107,9 +112,7 @@ def benchmark_bytes(cfg: Any) -> dict[str, int]:
     return {
         "benchmark.matmul_size": 3 * cfg.matmul_size**2 * dtype_bytes(cfg.dtype),
         "benchmark.vocab_size" if 2 * embedding > n else "benchmark.n_layers": training_state_bytes(n, "float32"),
-        "benchmark.batch_size" if cfg.batch_size > cfg.seq_len else "benchmark.seq_len": train_step_floor_bytes(
-            shape, cfg.batch_size, cfg.seq_len
-        ),
+        benchmark_step_key(cfg): train_step_floor_bytes(shape, cfg.batch_size, cfg.seq_len),
         "benchmark.prompt_len" if cfg.prompt_len > cfg.new_tokens else "benchmark.new_tokens": max(
             generation_bytes(shape, 8, cfg.prompt_len, cfg.new_tokens),
             2 * 8 * cfg.n_heads * slots * slots * 4 + 8 * slots * cfg.vocab_size * 4,  # naive: whole prefixes
@@ -117,12 +120,14 @@ def benchmark_bytes(cfg: Any) -> dict[str, int]:
     }
 
 
-def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[str, int]:
+def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[str, tuple[int, str | None]]:
     """The memory each model stage will ask for, by arithmetic on params.yaml's sections (the
     vocabulary at its cap, a generous prompt width): what `stagelm check` holds against this machine,
-    beside the data stages' (`stagelm.data.footprint.data_stage_estimates`). With
-    `model.init_from`, `checkpoint` is its DecoderConfig: its sizes and vocabulary, not the model
-    section's, with the section's run settings (dtype, remat, attention)."""
+    beside the data stages' (`stagelm.data.footprint.data_stage_estimates`), as (bytes, key): the key
+    that sizes a figure one device must hold whatever the mesh (the benchmark's: it runs on one device),
+    None for one a mesh may split over many. With `model.init_from`,
+    `checkpoint` is its DecoderConfig: its sizes and vocabulary, not the model section's, with the
+    section's run settings (dtype, remat, attention)."""
     model, vocab, seq = sections["model"], sections["tokenizer"].vocab_size, sections["pack"].seq_len
     sizes, tied = model.shape(), model.tie_embeddings
     if checkpoint is not None:
@@ -136,10 +141,13 @@ def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[st
     prompt = 64  # a generous prompt width for the task families' prompts
     rollout = grpo.prompts_per_step * grpo.group_size // grpo.grad_accum
     return {
-        "model (parameters, gradients, Adam's moments)": training_state_bytes(n, model.param_dtype),
-        "pretrain (a train step's activations)": train_step_bytes(shape, sections["training"].batch_size, seq),
-        "eval (generation)": generation_bytes(shape, ev.task_batch_size, prompt, ev.max_new_tokens),
-        "grpo (sampling a rollout)": generation_bytes(shape, rollout, prompt, grpo.max_new_tokens),
-        **{f"benchmark ({key})": need for key, need in benchmark_bytes(bench).items()},
-        "benchmark (a train step's activations)": train_step_bytes(timed, bench.batch_size, bench.seq_len),
+        "model (parameters, gradients, Adam's moments)": (training_state_bytes(n, model.param_dtype), None),
+        "pretrain (a train step's activations)": (train_step_bytes(shape, sections["training"].batch_size, seq), None),
+        "eval (generation)": (generation_bytes(shape, ev.task_batch_size, prompt, ev.max_new_tokens), None),
+        "grpo (sampling a rollout)": (generation_bytes(shape, rollout, prompt, grpo.max_new_tokens), None),
+        **{f"benchmark ({key})": (need, key) for key, need in benchmark_bytes(bench).items()},
+        "benchmark (a train step's activations)": (
+            train_step_bytes(timed, bench.batch_size, bench.seq_len),
+            benchmark_step_key(bench),
+        ),
     }
