@@ -1330,3 +1330,41 @@ def test_check_names_a_size_beyond_a_float(monkeypatch, capsys, tmp_path):
     """params.yaml's ints have no bound: a figure too large for a float is still one line, not an OverflowError."""
     err = checked(monkeypatch, capsys, tmp_path, pack={"seq_len": 10**400})
     assert err.startswith("error: pack.seq_len: pack (a shard's buffers) needs about 1.4e+394 GiB, more than"), err
+
+
+ARGUMENTS = [  # (argv, the one line argparse's finding becomes)
+    ([], "stagelm: the following arguments are required: command; see `stagelm --help`"),
+    (["chek"], "stagelm: argument command: invalid choice: 'chek' (choose from 'check', "),
+    (["check", "--bogus"], "stagelm check: unrecognized arguments: --bogus; see `stagelm check --help`"),
+    (["generate"], "stagelm generate: the following arguments are required: model_dir, --prompt; see `stagelm"),
+    (["serve", "m", "--port", "x"], "stagelm serve: argument --port: invalid int value: 'x'; see `stagelm serve"),
+    (["export-gguf", "m"], "stagelm export-gguf: the following arguments are required: out_file; see"),
+    (["preset", "a", "b"], "stagelm preset: unrecognized arguments: b; see `stagelm preset --help`"),
+    (["import-hf", "a", "b", "--force"], "stagelm import-hf: unrecognized arguments: --force; see `stagelm import-hf"),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), ARGUMENTS, ids=[" ".join(a) or "none" for a, _ in ARGUMENTS])
+def test_argument_errors_are_one_line_naming_the_command(monkeypatch, capsys, tmp_path, argv, words):
+    """argparse's findings in any subcommand read as every other error: one line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    assert stagelm(monkeypatch, capsys, *argv).startswith(f"error: {words}")
+    assert not list(tmp_path.iterdir())
+
+
+def test_help_is_still_argparse_own(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["stagelm", "serve", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: stagelm serve [-h]") and "--slots SLOTS" in out
+
+
+def test_a_stage_scripts_argument_error_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_in_process([sys.executable, str(ROOT / "stages/pretrain.py"), "--train", "x"], capsys)
+    assert code == 2 and err == (
+        "error: pretrain.py: the following arguments are required: --val, --tokenizer, --out, --checkpoints; "
+        "see `pretrain.py --help`\n"
+    )
+    assert not list(tmp_path.iterdir())

@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stagelm.infra.errors import StagelmError, run_main
+from stagelm.infra.errors import OneLineParser, StagelmError, run_main
 
 
 def check(args: argparse.Namespace) -> None:
@@ -377,14 +377,16 @@ COMMANDS = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="stagelm", description="stagelm: what DVC does not do")
+    parser = OneLineParser(prog="stagelm", description="stagelm: what DVC does not do")  # its subcommands' too
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
     if sys.argv[1:2] == [LM_EVAL]:
         args = argparse.Namespace(func=lm_eval, lm_eval_args=sys.argv[2:])
     else:
-        args = parser.parse_args()
+        args, extra = parser.parse_known_args()
+        if extra:  # said by the subcommand, so the line names it (parse_args says `stagelm: ...`)
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     run_main(lambda: args.func(args), interrupted=None)  # a command, not a stage: no rerun to speak of
 
 

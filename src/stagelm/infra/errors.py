@@ -18,18 +18,29 @@ Before anything runs, an entry point on Linux may start itself again with huge p
 for malloc (`stagelm.infra.hugepages`): XLA's step buffers then cost far fewer page faults.
 """
 
+import argparse
 import errno
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 from stagelm.infra.hugepages import restart_with_huge_pages
 
 
 class StagelmError(Exception):
     """An error caused by the user's params, data or files, reported as one line."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser (and its subcommands' parsers) with the one-line error every other stagelm error has:
+    `error: <prog>: <what argparse found>; see <prog> --help`, exit 2, instead of the usage and the error on
+    lines of their own. `--help` prints as before."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message.replace(chr(10), ' ')}; see `{self.prog} --help`\n")
 
 
 # What a stage says when a signal stops it; commands (serve, generate) say only what stopped them.

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stagelm.infra.errors import OneLineParser
 from stagelm.pipeline.params import read_params
 from stagelm.pipeline.provenance import now, write_provenance
 
@@ -54,7 +55,7 @@ def start(doc: str | None, *paths: str, options: dict[str, dict[str, Any]] | Non
 
     The stage is named after its script; a script run per model (`eval@sft`) renames it.
     """
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag in paths:
         parser.add_argument(f"--{flag}", required=True, type=Path)
     for flag, keywords in (options or {}).items():
