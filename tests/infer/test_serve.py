@@ -359,6 +359,28 @@ def test_what_http_itself_refuses_is_an_error_object_too(trained):
     assert raw(trained, post_head(trained, len(body)), body)[0] == 200
 
 
+def test_a_head_of_another_http_version_or_too_large_is_refused(trained):
+    """h11 reads any `HTTP/d.d` and answers in 1.1, and bounds only a head still arriving: a request line
+    of HTTP/2.0 (or 0.9, 1.2), or a head over 16 KiB sent in one write, is refused with an error object."""
+    body = json.dumps({"model": NAME, "prompt": "Once", "max_tokens": 2}).encode()
+    for version in ("2.0", "0.9", "1.2"):
+        status, answer = raw(
+            trained, post_head(trained, len(body)).replace(b"HTTP/1.1", f"HTTP/{version}".encode()), body
+        )
+        assert status == 400 and answer["error"]["message"] == (
+            f"the request is not valid HTTP/1.1: HTTP/{version} is not served here; send HTTP/1.1"
+        ), answer
+    many = b"".join(f"X-Filler-{i}: {'a' * 1000}\r\n".encode() for i in range(100))  # 100 KB of headers
+    for extra in (many, b"X-One: " + b"b" * 20_000 + b"\r\n", b"Cookie: " + b"c" * 17_000 + b"\r\n"):
+        status, answer = raw(trained, post_head(trained, len(body)) + extra, body)
+        assert status == 431 and answer["error"]["type"] == "invalid_request_error", answer
+        assert (
+            "bytes, more than the 16,384 this server reads; send fewer or shorter headers" in answer["error"]["message"]
+        )
+    assert raw(trained, post_head(trained, len(body)) + b"Cookie: " + b"c" * 12_000 + b"\r\n", body)[0] == 200
+    assert raw(trained, post_head(trained, len(body)).replace(b"HTTP/1.1", b"HTTP/1.0"), body)[0] == 200
+
+
 def test_the_page_cannot_be_broken_out_of_by_a_name():
     from stagelm.infer.serve import inline_json
 

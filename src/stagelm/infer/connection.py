@@ -10,7 +10,8 @@
   hold every descriptor the process may open and lock everyone else out (slowloris);
   and near the descriptor limit the oldest connection still without its head is closed
   to make room for a new one; what h11 refuses in a request's head is answered with an
-  OpenAI error object (`send_error_object`), as the app answers everything else.
+  OpenAI error object (`send_error_object`), as the app answers everything else, and so is
+  a request of another HTTP version than 1.0 or 1.1, or with a head over MAX_HEAD (`check_head`).
 """
 
 import asyncio
@@ -24,6 +25,10 @@ from typing import Any
 from stagelm.infra.errors import StagelmError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# Bytes of a request's line and headers: h11's own bound on a head still arriving (uvicorn's
+# h11_max_incomplete_event_size), held to a head that arrives whole in one read too.
+MAX_HEAD = 1 << 14
+HTTP_VERSIONS = (b"1.0", b"1.1")  # h11 reads any `HTTP/d.d` in a request line, and answers in 1.1
 
 
 def host_name(header: str) -> str:
@@ -63,9 +68,26 @@ def connection_cap() -> int:
     return max(8, min(soft, 1 << 16) - 64)
 
 
+def check_head(request: Any) -> None:
+    """Refuse, as h11 refuses a head it cannot parse, an `h11.Request` of an HTTP version other than
+    1.0 and 1.1 (`HTTP/2.0` in a request line is no HTTP/2: h11 would answer it in 1.1 as if it
+    were) or whose line and headers exceed MAX_HEAD (h11 bounds only a head still arriving)."""
+    import h11
+
+    if request.http_version not in HTTP_VERSIONS:
+        version = request.http_version.decode("ascii", "replace")
+        raise h11.RemoteProtocolError(f"HTTP/{version} is not served here; send HTTP/1.1", error_status_hint=400)
+    size = len(request.method) + len(request.target) + sum(len(k) + len(v) + 4 for k, v in request.headers)
+    if size > MAX_HEAD:
+        raise h11.RemoteProtocolError(
+            f"its head is {size:,} bytes, more than the {MAX_HEAD:,} this server reads; send fewer or shorter headers",
+            error_status_hint=431,
+        )
+
+
 def keep_protocol_errors(protocol: Any) -> None:
-    """Keep, as `protocol.protocol_error`, what h11 finds wrong with a request: uvicorn answers it
-    without saying why."""
+    """Keep, as `protocol.protocol_error`, what h11 finds wrong with a request (and what `check_head`
+    refuses, as h11 refuses it): uvicorn answers it without saying why."""
     import h11
 
     read = protocol.conn.next_event
@@ -73,7 +95,10 @@ def keep_protocol_errors(protocol: Any) -> None:
 
     def next_event() -> Any:
         try:
-            return read()
+            event = read()
+            if isinstance(event, h11.Request):
+                check_head(event)
+            return event
         except h11.RemoteProtocolError as err:
             protocol.protocol_error = err
             raise

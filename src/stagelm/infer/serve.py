@@ -27,7 +27,8 @@ names (`--allow-host` adds one), so a web page cannot reach it by DNS rebinding;
 must say `Content-Type: application/json`, which a page on another origin cannot send
 without the browser asking first (CSRF); a connection must send its request head
 within `--header-timeout` seconds and its body within BODY_DEADLINE (slow clients
-cannot hold the descriptors); stop strings are bounded and matched only on new text;
+cannot hold the descriptors); a head over 16 KiB or of another HTTP version than 1.x is refused
+(`connection.check_head`); stop strings are bounded and matched only on new text;
 `--slots` that the memory cannot hold (or past MAX_SLOTS) are refused at start; a chat
 template renders on a thread of its own under its budgets, taking turns with the others
 (`Server.prepare`), and a stopping server ends every rendering at once.
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from stagelm.data.template_sandbox import CLOCK, STOPPING, Turns
-from stagelm.infer.connection import LOOPBACK_NAMES, HostCheck, deadline_protocol, is_loopback, listen
+from stagelm.infer.connection import LOOPBACK_NAMES, MAX_HEAD, HostCheck, deadline_protocol, is_loopback, listen
 from stagelm.infer.engine import Engine, Request
 from stagelm.infer.generate import load_generator
 from stagelm.infer.openai_api import (
@@ -439,5 +440,6 @@ def serve(
             server.turns.close()  # renderings end at once: shutdown waits on no template
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(server.app(), log_level="warning", http=deadline_protocol(header_timeout))
+    http = deadline_protocol(header_timeout)
+    config = uvicorn.Config(server.app(), log_level="warning", http=http, h11_max_incomplete_event_size=MAX_HEAD)
     Stopping(config).run(sockets=[sock])
