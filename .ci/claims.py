@@ -9,6 +9,7 @@ were made with; any failure prints the claim and exits 1.
 import json
 import math
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -202,7 +203,11 @@ def grpo_claims(params: dict) -> None:
         at_best = f"at each one's best temperature (sft T={t0:g}, grpo T={t1:g}) {best[1]}"
         # Held on seeds 0, 1 and 2 since 120 updates: greedy +2 SE (+3.3, +2.4, +2.8; +2.3 over three draws on seeds 1
         # and 2) and no loss at the best temperature; issue 56's +3 SE there holds on seed 0 only (docs/grpo.md)
-        claim(greedy[0] >= 2, f"grpo: rewarded {family} greedy {greedy[1]} (>= +2)")
+        # Issue 70: a post-training stage is measured by the share of its parent's greedy errors it removes
+        # (75% on seed 0, 64-71% on seed 1); the standard errors stay in the report and here as information.
+        removed = errors_removed(sft["chat"][family], grpo["chat"][family])
+        claim(removed[0] >= 0.5, f"grpo: rewarded {family} greedy errors {removed[1]} (>= 50% removed)")
+        print(f"info  grpo: rewarded {family} greedy {greedy[1]} (issue 56's bar was +2)")
         claim(best[0] >= -1, f"grpo: rewarded {family} {at_best} (>= -1)")
         target(best[0] >= 3, f"grpo: rewarded {family} {at_best} (>= +3)")
         sampled = change(sft["chat_sampled"][family], grpo["chat_sampled"][family])
@@ -215,6 +220,38 @@ def grpo_claims(params: dict) -> None:
                 n >= 100 and after >= before - 0.02,
                 f"grpo: rewarded {family} pass@{k} on {n} prompts (>= 100) {before:.3f} → {after:.3f} (>= -0.02)",
             )
+
+
+def errors_removed(before: dict, after: dict) -> tuple[float, str]:
+    """(the share of `before`'s greedy errors that `after` no longer makes, a phrase) of one family."""
+    wrong = [round((1 - m["accuracy"]) * m["n"]) for m in (before, after)]
+    share = (wrong[0] - wrong[1]) / wrong[0] if wrong[0] else 0.0
+    return share, f"{wrong[0]} → {wrong[1]} ({share:.0%} removed)"
+
+
+def dpo_claims(params: dict) -> None:
+    """DPO against SFT: it ran, drew pairs and kept the language model; issue 70's goals (greedy errors
+    removed, pass@k, stage time beside GRPO's) are targets, not yet shown on three seeds."""
+    m = load("runs/dpo/metrics.json")
+    ran = f"dpo: ran dpo.steps={m['step']} optimizer steps on {m['pairs']:.0f} pairs"
+    claim(m["step"] == params["dpo"]["steps"] and m["pairs"] > 0, ran)
+    sft, dpo = load("runs/eval/sft/metrics.json"), load("runs/eval/dpo/metrics.json")
+    cost = dpo["val_loss"] - sft["val_loss"]
+    claim(cost <= 0.05, f"dpo: corpus val loss {sft['val_loss']:.3f} → {dpo['val_loss']:.3f} nats (<= +0.05)")
+    for family in params["dpo"]["families"]:
+        removed = errors_removed(sft["chat"][family], dpo["chat"][family])
+        target(removed[0] >= 0.4, f"dpo: {family} greedy errors {removed[1]} (>= 40% removed)")
+        k = dpo["chat_pass_k"]["k"]
+        before, after = sft["chat_pass_k"][family][f"pass_at_{k}"], dpo["chat_pass_k"][family][f"pass_at_{k}"]
+        target(after >= before - 0.02, f"dpo: {family} pass@{k} {before:.3f} → {after:.3f} (>= -0.02)")
+    times = {name: stage_seconds(name) for name in ("dpo", "grpo")}
+    took = f"dpo: stage time {times['dpo']:.0f} s, grpo's {times['grpo']:.0f} s (<= half)"
+    target(times["dpo"] <= times["grpo"] / 2, took)
+
+
+def stage_seconds(name: str) -> float:
+    prov = load(f"runs/{name}/provenance.json")
+    return (datetime.fromisoformat(prov["finished"]) - datetime.fromisoformat(prov["started"])).total_seconds()
 
 
 def change(before: dict, after: dict) -> tuple[float, str]:
@@ -333,6 +370,7 @@ def main() -> None:
     sft_claims()
     distill_claims(params)
     grpo_claims(params)
+    dpo_claims(params)
     benchmark_claims()
     readme_claims()
     if FAILED:

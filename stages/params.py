@@ -19,7 +19,7 @@ from stagelm.tasks import require_family_sets
 def main() -> None:
     stage = start(__doc__, "out")
     sections = validate_params(stage.params)
-    require_family_sets(sections["data"], sections["grpo"])
+    require_family_sets(sections["data"], sections["grpo"], sections["dpo"])
     require_inputs(sections["data"])  # DVC would otherwise stop at download on a missing dependency
     write_json(stage.args.out, {"valid": sorted(sections)})
     print(f"params: {stage.args.params}: seed and {len(sections) - 1} sections valid")

@@ -277,6 +277,8 @@ def test_check_refuses_a_pack_that_did_not_finish(monkeypatch, capsys, micro_dat
 # --- task files: every row against its schema, naming file, line and field ---------------
 
 CHAT = {"family": "chat", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+USER = {"role": "user", "content": "2+2?"}
+PREF = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
 TASK = {"family": "arithmetic", "prompt": "2 plus 2 is", "chat_prompt": "What is 2 plus 2?", "spec": {"answer": 4}}
 
 TASK_ROWS = [  # (task set, its lines, the words of the error)
@@ -298,6 +300,31 @@ TASK_ROWS = [  # (task set, its lines, the words of the error)
         "f.jsonl:1: spec.name: missing; the word_limit checker needs ['max_words', 'name', 'place']",
     ),
     ("rl", [{**TASK, "prompt": 7}], "f.jsonl:1: prompt: expected a non-empty string, got 7"),
+    ("pref", [{**PREF, "chosen": 4}], "f.jsonl:1: chosen: expected a non-empty string or one assistant message"),
+    ("pref", [PREF, {**PREF, "rejected": "4"}], "f.jsonl:2: rejected: the same answer as chosen"),
+    ("pref", [{**PREF, "prompt": [{"role": "bot", "content": "x"}]}], "f.jsonl:1: prompt[0].role: expected 'system'"),
+    ("pref", [{**PREF, "messages": []}], "f.jsonl:1: prompt: give `prompt` or `messages`, not both"),
+    ("pref", [{"chosen": "4", "rejected": "5"}], "f.jsonl:1: chosen: expected a string or a non-empty list"),
+    (
+        "pref",
+        [
+            {
+                "chosen": [USER, {"role": "assistant", "content": "4"}],
+                "rejected": [{"role": "assistant", "content": "5"}],
+            }
+        ],
+        "f.jsonl:1: rejected: its messages before the answer differ from chosen's",
+    ),
+    (
+        "pref",
+        [{**PREF, "prompt": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}],
+        "f.jsonl:1: prompt: the prompt must end with the user's message",
+    ),
+    (
+        "pref",
+        [{**PREF, "rejected": [{"role": "user", "content": "5"}]}],
+        "f.jsonl:1: rejected: expected one assistant message",
+    ),
     ("eval", [{**TASK, "family": "poetry"}], "f.jsonl:1: family: unknown 'poetry'"),
 ]
 

@@ -57,7 +57,7 @@ def check(args: argparse.Namespace) -> None:
     from stagelm.tasks import require_family_sets
 
     sections = validate_params(read_params(args.params))
-    require_family_sets(sections["data"], sections["grpo"])
+    require_family_sets(sections["data"], sections["grpo"], sections["dpo"])
     require_inputs(sections["data"])
     checkpoint = init_checkpoint(sections)
     estimates = memory_estimates(sections, checkpoint)  # refuses a size no machine holds

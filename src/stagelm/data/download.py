@@ -108,11 +108,13 @@ def write_download(cfg: DataConfig, out_dir: Path) -> tuple[dict[str, Any], list
                 splits["corpus_val"].add([d for d, v in zip(docs, val, strict=True) if v])
             check_split(cfg, splits["corpus_train"].rows, splits["corpus_val"].rows)
         files = {name: writer.close() for name, writer in splits.items()}
-        for name in ("sft", "rl", "eval"):
+        for name in sets:  # sft, rl, eval; pref when data.pref_files is set
             files[name] = write_table(out_dir / f"{name}.parquet", pa.Table.from_pylist(sets[name]))
         (out_dir / "manifest.json").unlink(missing_ok=True)  # from here until the new one: not done
         for name, entry in files.items():
             (out_dir / f"{name}.parquet.tmp").replace(out_dir / entry["file"])
+        if "pref" not in sets:  # an earlier run's pairs, no longer named by data.pref_files
+            (out_dir / "pref.parquet").unlink(missing_ok=True)
     finally:
         for writer in splits.values():
             writer.abort()
@@ -128,6 +130,7 @@ def write_download(cfg: DataConfig, out_dir: Path) -> tuple[dict[str, Any], list
         "documents": {"train": files["corpus_train"]["rows"], "val": files["corpus_val"]["rows"]},
         "files": {name: {k: v for k, v in f.items() if k != "chars"} for name, f in files.items()},
         "families": {name: count_families(sets[name]) for name in ("sft", "rl", "eval")},
+        **({"pairs": len(sets["pref"])} if "pref" in sets else {}),
         "corpus_characters": {"train": files["corpus_train"]["chars"], "val": files["corpus_val"]["chars"]},
     }
     write_json(out_dir / "manifest.json", manifest)

@@ -30,6 +30,9 @@ def task_sets(cfg: DataConfig, generated: dict[str, list]) -> tuple[dict[str, li
         if path:
             sets[name] = read_task_file(path, name)
             origin[name] = f"files:{path}"
+    if cfg.pref_files:  # no synthetic counterpart: the dpo stage's own pairs come from its sampling
+        sets["pref"] = read_task_file(cfg.pref_files, "pref")
+        origin["pref"] = f"files:{cfg.pref_files}"
     return sets, origin
 
 
@@ -47,8 +50,9 @@ def task_row(task: Task) -> dict[str, Any]:
 def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
     """The rows of the jsonl task files `path` names, each checked against the schema of
     task set `name` (sft: `family`, `messages`; rl and eval: `family`, `prompt`,
-    `chat_prompt` and a `spec` the family's checker can read), or one line naming the
-    file, line and field. Rows keep only the schema's fields, so Arrow sees one type per column."""
+    `chat_prompt` and a `spec` the family's checker can read; pref: `pref_row`), or one line
+    naming the file, line and field. Rows keep only the schema's fields, so Arrow sees one type
+    per column."""
     rows = []
     key = f"data.{name}_files"
     for file in match_files(path, key):
@@ -63,7 +67,7 @@ def read_task_file(path: str, name: str) -> list[dict[str, Any]]:
                 raise StagelmError(f"{file}:{i}: not a JSON object; {key} must be jsonl, one task per line")
             require_text(json.dumps(row, ensure_ascii=False), f"{file}:{i}")
             try:
-                rows.append(sft_row(row) if name == "sft" else task_file_row(row))
+                rows.append(READERS.get(name, task_file_row)(row))
             except ValueError as err:
                 raise StagelmError(f"{file}:{i}: {err}; fix the row or {key}") from None
     if not rows:
@@ -128,6 +132,70 @@ def task_file_row(row: dict[str, Any]) -> dict[str, Any]:
         "chat_answer": text_field(row, "chat_answer", required=False),
         "spec": json.dumps(row["spec"]),
     }
+
+
+def pref_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A preference pair in TRL's formats: {messages, chosen, rejected}, the prompt's messages as
+    JSON and each answer as the assistant's text.
+
+    The prompt is `prompt` (a string: one user turn; or a list of messages) or `messages`; each
+    answer a string or a list holding one assistant message. Without either prompt field the
+    answers are whole conversations (TRL's implicit prompt) whose messages before the last,
+    the assistant's, are the prompt and must be the same in both."""
+    given = [f for f in ("prompt", "messages") if f in row]
+    if len(given) > 1:
+        raise ValueError("prompt: give `prompt` or `messages`, not both")
+    answers = {}
+    if given:
+        field = given[0]
+        value = row[field]
+        prompt = [{"role": "user", "content": value}] if isinstance(value, str) and value.strip() else None
+        prompt = prompt or message_list(value, field)
+        for side in ("chosen", "rejected"):
+            answers[side] = answer_text(row.get(side), side)
+    else:
+        whole = {side: message_list(row.get(side), side) for side in ("chosen", "rejected")}
+        if whole["chosen"][:-1] != whole["rejected"][:-1]:
+            raise ValueError("rejected: its messages before the answer differ from chosen's (give `prompt`)")
+        prompt = whole["chosen"][:-1]
+        for side in ("chosen", "rejected"):
+            answers[side] = answer_text(whole[side][-1:], side)
+    if not prompt or prompt[-1]["role"] != "user":
+        raise ValueError(f"{given[0] if given else 'chosen'}: the prompt must end with the user's message")
+    if answers["chosen"] == answers["rejected"]:
+        raise ValueError("rejected: the same answer as chosen, so nothing to prefer")
+    return {"messages": json.dumps(prompt, ensure_ascii=False), **answers}
+
+
+def message_list(value: Any, field: str) -> list[dict[str, str]]:
+    """A non-empty list of {role: system | user | assistant, content: string} messages, or ValueError."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{field}: expected a string or a non-empty list of {{role, content}}, got {value!r}"[:200])
+    messages = []
+    for j, message in enumerate(value):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"{field}[{j}].role: expected 'system', 'user' or 'assistant', got {role!r}"[:200])
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"{field}[{j}].content: expected a string, got {content!r}"[:200])
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def answer_text(value: Any, field: str) -> str:
+    """An answer: a non-empty string, or a list of one assistant message holding it."""
+    if isinstance(value, list):
+        messages = message_list(value, field)
+        if len(messages) != 1 or messages[0]["role"] != "assistant":
+            raise ValueError(f"{field}: expected one assistant message, got {len(messages)} message(s)")
+        value = messages[0]["content"]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{field}: expected a non-empty string or one assistant message, got {value!r}"[:200])
+    return value
+
+
+READERS = {"sft": sft_row, "pref": pref_row}  # the rl and eval sets' rows: task_file_row
 
 
 def count_families(rows: list[dict]) -> dict[str, int]:

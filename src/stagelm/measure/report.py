@@ -380,6 +380,54 @@ def beats_control(control: dict, student: dict, families: list[str]) -> str:
     )
 
 
+def greedy_errors(e: dict) -> int:
+    """Wrong greedy chat answers on the held-out prompts, over every family."""
+    return round((1 - e["chat"]["accuracy"]) * e["chat"]["n"])
+
+
+def errors_removed(parent: dict, e: dict) -> str:
+    """The parent's greedy errors → the tuned model's, and the share of them removed (or added)."""
+    before, after = greedy_errors(parent), greedy_errors(e)
+    if not before:
+        return f"{before} → {after}"
+    share = (before - after) / before
+    return f"{before} → {after} ({share:.0%} removed)" if share >= 0 else f"{before} → {after} ({-share:.0%} more)"
+
+
+def post_training_table(models: list[dict]) -> list[str]:
+    """The models tuned from a tuned model (DPO and GRPO from SFT) side by side with it: greedy,
+    best-temperature and pass@k accuracy, val loss, the share of the parent's greedy errors removed,
+    the answers the stage sampled, and its time. Empty when no stage tuned a tuned model."""
+    by_name = {m["name"]: m for m in models}
+    rows: list[tuple[dict, dict | None]] = []
+    for m in models:
+        parent = parent_of(m, list(by_name))
+        if parent and parent[0] == "model" and parent_of(by_name[parent[1]], list(by_name)):
+            start = by_name[parent[1]]
+            if all(r[0] is not start for r in rows):
+                rows.append((start, None))
+            rows.append((m, start))
+    if not rows:
+        return []
+    lines = [
+        "| model | from | greedy | best T | pass@k | val loss | parent's greedy errors | samples drawn | stage time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, parent in rows:
+        e = m["eval"]
+        best, passes = best_view(e), e.get("chat_pass_k")
+        best_cell = f"{best[1]['accuracy']:.3f} (T={best[0]:g})" if best else "—"
+        pass_cell = f"{passes['pass_at_' + str(passes['k'])]:.3f} (k={passes['k']})" if passes else "—"
+        removed = errors_removed(parent["eval"], e) if parent else f"{greedy_errors(e)} errors"
+        samples = m["train"].get("samples")
+        lines.append(
+            f"| {m['name']} | {parent['name'] if parent else '—'} | {e['chat']['accuracy']:.3f} | {best_cell} | "
+            f"{pass_cell} | {e['val_loss']:.3f} | {removed} | {f'{samples:,.0f}' if samples else '—'} | "
+            f"{m['wall_seconds']:.0f} s |"
+        )
+    return lines
+
+
 def tuned_sentence(m: dict, parent: dict) -> str:
     """A model tuned from another (SFT, GRPO): what it moved, greedy, sampled and pass@k, and the val loss."""
     e, source, families = m["eval"], parent["eval"], families_of(m["eval"])
@@ -389,7 +437,8 @@ def tuned_sentence(m: dict, parent: dict) -> str:
     sentence = (
         f"- **{m['name']}** (from {parent['name']}{reward}) moved chat accuracy "
         + ", ".join(change(source["chat"], e["chat"], f) for f in families)
-        + f", and the val loss {source['val_loss']:.3f} → {e['val_loss']:.3f} ({cost:+.3f} nats)"
+        + f"; greedy errors {errors_removed(source, e)}; the val loss {source['val_loss']:.3f} → {e['val_loss']:.3f} "
+        f"({cost:+.3f} nats)"
     )
     if "chat_sampled" in e and "chat_sampled" in source:
         sampled = ", ".join(change(source["chat_sampled"], e["chat_sampled"], f) for f in families)
@@ -422,6 +471,9 @@ def render(runs: Path, models: list[str], figures: Path, report_path: Path, benc
         "",
     ]
     out += ["## Stage by stage", "", *stage_table(summaries), "", *stage_sentences(summaries), ""]
+    side_by_side = post_training_table(summaries)
+    if side_by_side:
+        out += ["### Post-training side by side", "", *side_by_side, ""]
     out += ["## Models", "", *model_table(summaries), "", "### Accuracy per task family", "", *family_table(summaries)]
     lm_eval = lm_eval_table(summaries)
     if lm_eval:

@@ -136,7 +136,7 @@ def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[st
     shape = SimpleNamespace(**sizes, vocab_size=vocab, dtype=model.dtype, head_dim=sizes["d_model"] // sizes["n_heads"])
     shape.remat, shape.attention = model.remat, model.attention  # what pretrain's step keeps
     n = param_count(vocab, **sizes, tie_embeddings=tied)
-    ev, grpo, bench = sections["eval"], sections["grpo"], sections["benchmark"]
+    ev, grpo, dpo, bench = sections["eval"], sections["grpo"], sections["dpo"], sections["benchmark"]
     timed = SimpleNamespace(**bench.shape(), vocab_size=bench.vocab_size, dtype=bench.dtype)
     prompt = 64  # a generous prompt width for the task families' prompts
     rollout = grpo.prompts_per_step * grpo.group_size // grpo.grad_accum
@@ -145,6 +145,7 @@ def stage_estimates(sections: dict[str, Any], checkpoint: Any = None) -> dict[st
         "pretrain (a train step's activations)": (train_step_bytes(shape, sections["training"].batch_size, seq), None),
         "eval (generation)": (generation_bytes(shape, ev.task_batch_size, prompt, ev.max_new_tokens), None),
         "grpo (sampling a rollout)": (generation_bytes(shape, rollout, prompt, grpo.max_new_tokens), None),
+        "dpo (sampling answers)": (generation_bytes(shape, dpo.sample_rows, prompt, dpo.max_new_tokens), None),
         **{f"benchmark ({key})": (need, key) for key, need in benchmark_bytes(bench).items()},
         "benchmark (a train step's activations)": (
             train_step_bytes(timed, bench.batch_size, bench.seq_len),

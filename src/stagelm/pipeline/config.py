@@ -79,6 +79,10 @@ class DataConfig:
     eval_files: str | None = param(
         "jsonl of eval prompts (`family`, `prompt`, `chat_prompt`, `spec`); null = synthetic"
     )
+    pref_files: str | None = param(
+        "jsonl of preference pairs (`prompt` or `messages`, `chosen`, `rejected`: TRL's format) under data.inputs, "
+        "for dpo.pairs: files; null = none"
+    )
     num_sft: int = param("synthetic SFT conversations", POSITIVE)
     num_rl: int = param("synthetic RL prompts", POSITIVE)
     num_eval: int = param("synthetic held-out prompts per task family", POSITIVE)
@@ -98,6 +102,7 @@ class DataConfig:
             ("data.sft_files", self.sft_files),
             ("data.rl_files", self.rl_files),
             ("data.eval_files", self.eval_files),
+            ("data.pref_files", self.pref_files),
         )
         return found + [(key, value) for key, value in named if value]
 
@@ -576,6 +581,72 @@ class GrpoConfig(OptimizerConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class DpoConfig(TrainingConfig):
+    """Direct preference optimisation of the SFT model on pairs of answers: its own, graded, or a user's."""
+
+    section: ClassVar[str] = "dpo"
+    batch_key: ClassVar[str] = "dpo.batch_size"
+
+    pairs: str = param(
+        "self: the SFT model's own answers to the rl prompts, a right one chosen over a wrong one of the same "
+        "prompt; files: data.pref_files' pairs",
+        one_of("self", "files"),
+    )
+    families: list[str] = param("self: the rl task families whose prompts are answered and graded")
+    seed: int | None = param(
+        "the seed of the stage's own draws (prompts, samples, pair order, LoRA's init); null = the top-level seed",
+        SEED,
+    )
+    rounds: int = param(
+        "self: rounds of fresh pairs drawn from the current policy (iterative DPO); steps split evenly over them",
+        POSITIVE,
+    )
+    prompts: int = param("self: rl prompts answered per round", POSITIVE)
+    samples: int = param(
+        "self: answers sampled per prompt; a prompt gives pairs when some are right and some wrong",
+        (lambda v: v >= 2, "an {type} >= 2 (a pair needs two answers)"),
+    )
+    pairs_per_prompt: int = param("self: pairs taken from one prompt's answers at most", POSITIVE)
+    reference_answers: bool = param(
+        "self: a prompt none of whose answers is right pairs the rl set's reference answer (its chat_answer, "
+        "where the row has one) over a wrong one; false: such prompts give no pair"
+    )
+    temperature: float = param("self: sampling temperature of the answers", POSITIVE)
+    max_new_tokens: int = param("self: longest sampled answer, in tokens", POSITIVE)
+    sample_rows: int = param("self: answers sampled together (the KV cache holds this many rows)", POSITIVE)
+    span: str = param(
+        "answer: each answer's tokens count whole; fork: only each answer's first token after the tokens both "
+        "share (where a wrong answer goes wrong: a step-level preference, as Step-DPO)",
+        one_of("answer", "fork"),
+    )
+    loss: str = param(
+        "sigmoid: -log σ(β·margin) (DPO, Rafailov et al. 2023); ipo: (margin - 1/(2β))² on length-averaged "
+        "log-probs (IPO, Azar et al. 2023)",
+        one_of("sigmoid", "ipo"),
+    )
+    beta: float = param("β: how far from the reference the policy may move (smaller: further)", POSITIVE)
+    nll_weight: float = param(
+        "weight of the chosen answer's length-averaged next-token loss beside the pair's loss (RPO, Pang et al. "
+        "2024); 0 = off",
+        NON_NEGATIVE,
+    )
+    method: str = param(
+        "full: every weight trains; lora: only adapters train, and the saved model is merged", one_of("full", "lora")
+    )
+    lora: LoraConfig = param("the adapters of method lora (the keys below)")
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.steps % self.rounds:
+            raise StagelmError(
+                f"{prefix}.rounds: {self.rounds} does not divide {prefix}.steps {self.steps} (each round trains "
+                "as many steps)"
+            )
+        if self.pairs == "self" and not self.families:
+            raise StagelmError(f"{prefix}.families: empty list; name the rl task families whose answers pair up")
+
+
+@dataclasses.dataclass(frozen=True)
 class BenchmarkConfig(ModelShape):
     """The shape the benchmark stage times (random weights and tokens) and how often."""
 
@@ -623,6 +694,7 @@ SECTIONS: dict[str, type] = {
     "sft": SftConfig,
     "distill": DistillConfig,
     "grpo": GrpoConfig,
+    "dpo": DpoConfig,
     "benchmark": BenchmarkConfig,
     "export": ExportConfig,
 }
@@ -638,6 +710,6 @@ def section_keys(name: str) -> list[str]:
 EXECUTION_SECTIONS = ("mesh", "launch")
 EXECUTION_KEYS = {
     f"{section}.{key}"
-    for section in ("training", "sft", "distill", "grpo")
+    for section in ("training", "sft", "distill", "grpo", "dpo")
     for key in ("log_every", "checkpoint_every", "keep_checkpoints")
 }

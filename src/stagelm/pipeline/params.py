@@ -309,7 +309,7 @@ def require_lm_eval_tasks(cfg: EvalConfig, data: DataConfig) -> None:
 
 # Peak learning rates above these are a from-scratch recipe's: on a trained checkpoint one update
 # at the default training.lr (3e-3) took SmolLM2-135M's loss from 2.41 to 13.93 (issue 47).
-FINE_TUNING_LR = {"training": 3e-4, "sft": 3e-4, "distill": 3e-4, "grpo": 1e-4}
+FINE_TUNING_LR = {"training": 3e-4, "sft": 3e-4, "distill": 3e-4, "grpo": 1e-4, "dpo": 1e-4}
 
 
 def fine_tuning_warnings(sections: dict[str, Any]) -> list[str]:
@@ -320,7 +320,7 @@ def fine_tuning_warnings(sections: dict[str, Any]) -> list[str]:
     lines = []
     for name, ceiling in FINE_TUNING_LR.items():
         cfg = sections[name]
-        wide = name == "sft" and cfg.method == "lora"  # adapters start at zero: a LoRA rate may be higher
+        wide = name in ("sft", "dpo") and cfg.method == "lora"  # adapters start at zero: a LoRA rate may be higher
         if cfg.lr > ceiling * (10 if wide else 1):
             lines.append(
                 f"warning: {name}.lr: {cfg.lr:g} is a from-scratch rate, and model.init_from starts from a trained "

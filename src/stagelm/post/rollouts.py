@@ -68,6 +68,11 @@ def graded_length(tokens: list[int], stopped: bool, ends_answer: np.ndarray) -> 
     return int(ends[0]) + 1 if len(ends) else len(tokens) + stopped
 
 
+def answer_ends(tokenizer: Any) -> np.ndarray:
+    """(vocab,) whether each token completes a graded answer (its first sentence: up to a period or a newline)."""
+    return np.array([any(c in tokenizer.decode([i]) for c in ".\n") for i in range(tokenizer.get_vocab_size())])
+
+
 def rollout_sets(raw: Path, cfg: GrpoConfig) -> tuple[list[dict], list[dict]]:
     """(rl prompts, anchor conversations) from the download stage's `raw` folder, or one line why
     they cannot serve `cfg`. The anchor: SFT conversations of the families the reward does not target."""
@@ -136,9 +141,7 @@ class Rollouts:
                 f"exceed the model's context of {gen.capacity}; lower it"
             )
 
-        # Tokens that complete the graded answer (its first sentence: up to a period or a newline).
-        vocab = gen.tokenizer.get_vocab_size()
-        self.ends_answer = np.array([any(c in gen.tokenizer.decode([i]) for c in ".\n") for i in range(vocab)])
+        self.ends_answer = answer_ends(gen.tokenizer)
         # The reference: a copy of the starting policy (the train step donates the policy's buffers).
         self.ref = jax.tree.map(jnp.copy, gen.params)
         self.rollout = 0  # rollouts drawn so far
@@ -158,15 +161,7 @@ class Rollouts:
 
     def prompt_indices(self, start: int, count: int) -> np.ndarray:
         """Prompts `start` to `start + count` of the stream: a seeded permutation of the set per epoch."""
-        n = len(self.tasks)
-        epochs = {}
-        out = []
-        for i in range(start, start + count):
-            epoch, offset = divmod(i, n)
-            if epoch not in epochs:
-                epochs[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
-            out.append(epochs[epoch][offset])
-        return np.asarray(out)
+        return stream_indices([self.seed], len(self.tasks), start, count)
 
     def next(self, params: Any, frozen: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         if self.update == 0 or self.batch is None:
@@ -327,6 +322,19 @@ class Rollouts:
             )
         self.rollout, self.update, self.drawn = state["rollout"], 0, state["drawn"]
         self.sampled, self.unsure = state["sampled"], list(state["unsure"])
+
+
+def stream_indices(seed: list[int], n: int, start: int, count: int) -> np.ndarray:
+    """Items `start` to `start + count` of an endless stream over `n` items: a permutation of them
+    per epoch, seeded by `seed` and the epoch, so any stretch of it is drawn without the ones before."""
+    epochs = {}
+    out = []
+    for i in range(start, start + count):
+        epoch, offset = divmod(i, n)
+        if epoch not in epochs:
+            epochs[epoch] = np.random.default_rng([*seed, epoch]).permutation(n)
+        out.append(epochs[epoch][offset])
+    return np.asarray(out, np.int64)
 
 
 def anchor_set(chat: ChatFormat, conversations: list[dict]) -> dict[str, np.ndarray]:

@@ -83,17 +83,24 @@ def require_families(names: list[str] | tuple[str, ...], key: str) -> None:
         raise StagelmError(f"{key}: unknown {unknown}; choose among {list(FAMILIES)}")
 
 
-def require_family_sets(data: Any, grpo: Any) -> None:
-    """Fail, naming the key, unless `data.families` and `grpo.families` are registered and every
-    rewarded family is generated (when the rl set is the synthetic one): before any stage runs."""
+def require_family_sets(data: Any, grpo: Any, dpo: Any = None) -> None:
+    """Fail, naming the key, unless `data.families`, `grpo.families` and (for pairs of its own answers)
+    `dpo.families` are registered and every rl family is generated (when the rl set is the synthetic
+    one); and unless `dpo.pairs: files` has data.pref_files: before any stage runs."""
     require_families(data.families, "data.families")
     require_generated(data.families, "data.families")
-    require_families(grpo.families, "grpo.families")
-    missing = [f for f in grpo.families if f not in data.families]
-    if data.rl_files is None and missing:
+    sections = [("grpo", grpo)] + ([("dpo", dpo)] if dpo is not None and dpo.pairs == "self" else [])
+    for name, section in sections:
+        require_families(section.families, f"{name}.families")
+        missing = [f for f in section.families if f not in data.families]
+        if data.rl_files is None and missing:
+            raise StagelmError(
+                f"{name}.families: {missing} not in data.families {list(data.families)}, so the rl set has no "
+                "prompt of it; add it to data.families or name another family"
+            )
+    if dpo is not None and dpo.pairs == "files" and not data.pref_files:
         raise StagelmError(
-            f"grpo.families: {missing} not in data.families {list(data.families)}, so the rl set has no prompt of "
-            "it; add it to data.families or reward another family"
+            "dpo.pairs: files needs data.pref_files (jsonl of prompt, chosen, rejected); set it, or dpo.pairs: self"
         )
 
 
