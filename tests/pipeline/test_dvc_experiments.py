@@ -14,8 +14,8 @@ from conftest import env_with_venv, micro_params, run
 
 from stagelm.infra.files import read_json
 
-MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo")  # as dvc.yaml's `models` var lists them
-EXPORTED = ("pretrain", "sft", "distill", "grpo")  # the control is measured, not shipped
+MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo", "dpo")  # as dvc.yaml's `models` var lists them
+EXPORTED = ("pretrain", "sft", "distill", "grpo", "dpo")  # the control is measured, not shipped
 PRETRAIN_LR = "runs/pretrain/plots/metrics/train/lr.tsv"
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def test_experiment_runs_and_compares(project):
     edits = ["-S", "training.lr=5e-5", "-S", "tokenizer.max_train_chars=60000"]
     out = run(["dvc", "exp", "run", "-n", "lr5e5", *edits], project)
     ran = {line.split("'")[1] for line in out.stdout.splitlines() if line.startswith("Running stage")}
-    downstream = {"sft", "distill", "distill_control", "grpo", "benchmark", "report"}
+    downstream = {"sft", "distill", "distill_control", "grpo", "dpo", "benchmark", "report"}
     downstream |= {f"{kind}@{m}" for kind in ("eval", "sample") for m in MODELS} | {f"export@{m}" for m in EXPORTED}
     assert ran == {"params", "tokenizer", "pack", "pretrain"} | downstream
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)

@@ -17,8 +17,8 @@ from stagelm.infer.generate import load_generator
 from stagelm.infra.files import read_json
 from stagelm.train.checkpoints import HASHES
 
-MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo")  # as dvc.yaml's `models` var lists them
-EXPORTED = ("pretrain", "sft", "distill", "grpo")  # the control is measured, not shipped
+MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo", "dpo")  # as dvc.yaml's `models` var lists them
+EXPORTED = ("pretrain", "sft", "distill", "grpo", "dpo")  # the control is measured, not shipped
 PRETRAIN_LR = "runs/pretrain/plots/metrics/train/lr.tsv"
 
 pytestmark = pytest.mark.slow
@@ -92,6 +92,10 @@ def test_full_repro_produced_every_artifact(project):
     assert "; at each one's best temperature (sft T=" in opening  # grpo against sft, each at its best
     assert (project / "runs/report/pretrain_loss.png").stat().st_size > 1000
     assert (project / "runs/report/grpo_reward.png").is_file()
+    side = report.split("### Post-training side by side")[1].split("## Models")[0]  # dpo and grpo beside sft
+    assert "| sft | — |" in side and "| grpo | sft |" in side and "| dpo | sft |" in side and " → " in side
+    assert "- **dpo** (from sft, rewarding arithmetic) moved" in opening and "; greedy errors " in opening
+    assert read_json(project / "runs/dpo/metrics.json")["pairs"] > 0  # the rl set's reference answers over its own
     bench = read_json(project / "runs/benchmark/metrics.json")
     assert len(bench["commit"]) == 40 and "| train.tokens_per_sec |" in report
     assert run(["git", "diff", "--exit-code", "dvc.yaml"], project, check=False).returncode == 0  # nothing rewrote it
