@@ -53,13 +53,17 @@ BIN = Path(sys.executable).parent
 # and ran alone while the other worker idled (test_dvc_experiments.py's 292 s began with about 40 s of
 # other work left: 1,070 s in all on a 185 GFLOP/s machine). Handed out slowest first, the quick files
 # fill in at the end. A file missing here only runs later; test_dvc_repro.py leads because it builds
-# the project the experiments file then uses.
+# the project the other test_dvc_*.py files then use. Those are one or two long tests a file: as one
+# file (611 s in CI) they could only start once the build (234 s) was done, so no run could end
+# before about 845 s however the rest was spread.
 SLOWEST_FIRST = (
     "tests/pipeline/test_dvc_repro.py",
     "tests/interop/test_real_model.py",
     "tests/pipeline/test_dvc_experiments.py",
+    "tests/pipeline/test_dvc_queue.py",
     "tests/post/test_grpo.py",
     "tests/interop/test_lm_eval_real.py",
+    "tests/pipeline/test_dvc_lm_eval.py",
     "tests/post/test_distill.py",
     "tests/test_cluster.py",
     "tests/train/test_pretrain_stage.py",

@@ -11,15 +11,12 @@ import pytest
 import yaml
 from browser import CHROMIUM, NEEDS, Browser
 from conftest import env_with_venv, micro_params, run, write_params
+from dvc_stages import MODELS, stages_ran
 
 from stagelm.data.loader import PackedRows
 from stagelm.infer.generate import load_generator
 from stagelm.infra.files import read_json
 from stagelm.train.checkpoints import HASHES
-
-MODELS = ("pretrain", "sft", "distill", "distill_control", "grpo", "dpo")  # as dvc.yaml's `models` var lists them
-EXPORTED = ("pretrain", "sft", "distill", "grpo", "dpo")  # the control is measured, not shipped
-PRETRAIN_LR = "runs/pretrain/plots/metrics/train/lr.tsv"
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +28,7 @@ def status(project) -> dict:
 def repro_ran(project) -> set[str]:
     """Run `dvc repro` and return the stages it ran (status alone cannot tell whether an
     upstream stage's new outputs differ, so changes downstream of it show only by running)."""
-    out = run(["dvc", "repro"], project).stdout
-    return {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+    return set(stages_ran(run(["dvc", "repro"], project).stdout))
 
 
 def test_full_repro_produced_every_artifact(project):
