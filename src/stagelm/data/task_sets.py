@@ -138,8 +138,8 @@ def pref_row(row: dict[str, Any]) -> dict[str, Any]:
     """A preference pair in TRL's formats: {messages, chosen, rejected}, the prompt's messages as
     JSON and each answer as the assistant's text.
 
-    The prompt is `prompt` (a string: one user turn; or a list of messages) or `messages`; each
-    answer a string or a list holding one assistant message. Without either prompt field the
+    The prompt is `prompt` (a text, one user turn, or a list of messages) or `messages`; each
+    answer a text or a list holding one assistant message. Without either prompt field the
     answers are whole conversations (TRL's implicit prompt) whose messages before the last,
     the assistant's, are the prompt and must be the same in both."""
     given = [f for f in ("prompt", "messages") if f in row]
@@ -168,7 +168,7 @@ def pref_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def message_list(value: Any, field: str) -> list[dict[str, str]]:
-    """A non-empty list of {role: system | user | assistant, content: string} messages, or ValueError."""
+    """A non-empty list of messages, each a `role` (system, user or assistant) and a `content` text, or ValueError."""
     if not isinstance(value, list) or not value:
         raise ValueError(f"{field}: expected a string or a non-empty list of {{role, content}}, got {value!r}"[:200])
     messages = []

@@ -40,6 +40,7 @@ class OneLineParser(argparse.ArgumentParser):
     lines of their own. `--help` prints as before."""
 
     def error(self, message: str) -> NoReturn:
+        """Exit 2 with argparse's `message` on one line, naming the command and its --help."""
         self.exit(2, f"error: {self.prog}: {message.replace(chr(10), ' ')}; see `{self.prog} --help`\n")
 
 
