@@ -1,6 +1,6 @@
 """One DPO recipe on a finished project's SFT model, then its eval: the quick probe behind docs/dpo.md's table.
 
-    python benchmarks/dpo_probe.py PROJECT NAME [key=value ...] >> benchmarks/dpo-probe.jsonl
+    python benchmarks/dpo_probe.py PROJECT NAME [key=value ...]
 
 PROJECT is a folder where `dvc repro sft` ran (runs/sft/model, data/raw, data/packed/val):
 a fresh clone after `make repro`, for one. The stage and the eval run as the pipeline runs

@@ -3,12 +3,10 @@
     python stages/dpo.py --params params.yaml --model runs/sft/model --raw data/raw --val data/packed/val \
         --out runs/dpo --checkpoints runs/.checkpoints/dpo
 
-The policy starts from `--model` and the reference is a frozen copy of it. With `dpo.pairs:
-self` each round samples `dpo.samples` answers to rl prompts of `dpo.families`, grades them
-with the family's checker and pairs a right answer (chosen) with a wrong one (rejected); with
-`dpo.pairs: files` the pairs are data.pref_files' (stagelm.post.dpo). `dpo.method` picks what
-trains (lora: `<out>/model/` is the merged model). val/loss is the policy's next-token loss on
-the corpus val split: what preference tuning costs the language model.
+The policy starts from `--model`, the reference is a frozen copy of it, and the pairs are its own
+graded answers (`dpo.pairs: self`) or data.pref_files' (stagelm.post.dpo). `dpo.method` picks what
+trains (lora: `<out>/model/` is the merged model). val/loss is the next-token loss on the corpus
+val split: what preference tuning costs the language model.
 """
 
 import jax
@@ -73,10 +71,8 @@ def main() -> None:
     summary = pair_summary(result.history)
     if jax.process_index() == 0:
         write_json(args.out / "metrics.json", {**read_json(args.out / "metrics.json"), **summary})
-    print(
-        f"dpo: done at step {result.summary['step']}: {summary['pairs']:.0f} pairs; the last steps ranked "
-        f"{summary['reward_accuracy_last10']:.1%} of their pairs right, margin {summary['reward_margin_last10']:.3f}"
-    )
+    done, ranked = result.summary["step"], summary["reward_accuracy_last10"]
+    print(f"dpo: done at step {done}: {summary['pairs']:.0f} pairs; the last ten steps ranked {ranked:.1%} right")
 
 
 if __name__ == "__main__":

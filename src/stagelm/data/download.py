@@ -75,11 +75,10 @@ def require_synthetic_room(cfg: DataConfig, out_dir: Path) -> None:
 
 
 def write_download(cfg: DataConfig, out_dir: Path) -> tuple[dict[str, Any], list[Path]]:
-    """Stream the corpus of `data.source` into `out_dir` (Parquet per split and task set,
-    manifest.json last); return the manifest and the input files read (none for synthetic/hf).
-
-    Everything is written to temporary files first: a bad input leaves the folder as it
-    was, and a run killed while renaming leaves no manifest, so nothing looks done."""
+    """Stream the corpus of `data.source` into `out_dir` (Parquet per split and task set, manifest.json
+    last); return the manifest and the input files read (none for synthetic/hf). Everything is written to
+    temporary files first: a bad input leaves the folder as it was, and a run killed while renaming
+    leaves no manifest, so nothing looks done."""
     is_synthetic = cfg.source == "synthetic"
     families = select(cfg.families, "data.families")
     if is_synthetic:

@@ -615,8 +615,9 @@ class DpoConfig(TrainingConfig):
     max_new_tokens: int = param("self: longest sampled answer, in tokens", POSITIVE)
     sample_rows: int = param("self: answers sampled together (the KV cache holds this many rows)", POSITIVE)
     span: str = param(
-        "answer: each answer's tokens count whole; fork: only each answer's first token after the tokens both "
-        "share (where a wrong answer goes wrong: a step-level preference, as Step-DPO)",
+        "self: answer, each answer's tokens count whole; fork, only each answer's first token after the tokens "
+        "both share (where a wrong working goes wrong: a step-level preference, as Step-DPO). A user's pairs "
+        "(files) always count whole",
         one_of("answer", "fork"),
     )
     loss: str = param(

@@ -188,7 +188,7 @@ class PairSource:
 
     def __init__(self, cfg: DpoConfig, gen: Generator, graphdef: Any, seed: int, tasks=None, pairs=None):
         self.cfg, self.gen, self.graphdef, self.seed = cfg, gen, graphdef, seed
-        self.fixed = pairs if pairs is None or cfg.span == "answer" else [at_fork(p) for p in pairs]
+        self.fixed = pairs  # a user's pairs count whole (TRL's DPO): dpo.span is for the model's own answers
         self.tasks = [t for t in tasks or [] if t["family"] in cfg.families]
         self.specs = [json.loads(t["spec"]) for t in self.tasks]
         self.prompts = [gen.chat.user_prompt(t["chat_prompt"]) for t in self.tasks]
