@@ -159,12 +159,12 @@ def test_reference_log_probs_are_the_parents(micro_data):
     pairs = [Pair([1, 2, 3], [4, 5, 6], [4, 7]), Pair([2, 8], [9, 10], [11, 3, 3, 5]), Pair([5], [6], [7, 8])]
     dpo = load_section(micro_params(dpo={"pairs": "files", "sample_rows": 2}), "dpo")
     source = PairSource(dpo, Generator(model, tok, 64), nnx.graphdef(model), 0, pairs=pairs)
-    graphdef, params = nnx.split(model)
-    nnx.update(model, jax.tree.map(lambda x: x + 0.1, params))  # the policy moves; the reference must not
+    expected = [[answer_logp(model, p.prompt, p.chosen), answer_logp(model, p.prompt, p.rejected)] for p in pairs]
+    moved = jax.tree.map(lambda x: x + 0.1, nnx.state(model))
+    nnx.update(model, moved)  # the policy moves; the reference must not
+    assert float(answer_logp(model, pairs[0].prompt, pairs[0].chosen)) != pytest.approx(float(expected[0][0]))
     source.round = 0
-    source.lay_out()
-    parent = nnx.merge(graphdef, params)
-    expected = [[answer_logp(parent, p.prompt, p.chosen), answer_logp(parent, p.prompt, p.rejected)] for p in pairs]
+    assert source.begin_round(policy=None) == {"pairs/count": 3.0}  # a user's pairs: nothing sampled
     np.testing.assert_allclose(source.rows["ref_logp"], np.asarray(expected, np.float32), rtol=1e-5)
 
 
