@@ -18,7 +18,7 @@ from data_lock import locks  # .ci/, this script's folder
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from stagelm.measure.report import best_view
+from stagelm.measure.report import best_view, wrong_answers
 from stagelm.tasks import check_answer
 
 FAILED: list[str] = []
@@ -224,7 +224,7 @@ def grpo_claims(params: dict) -> None:
 
 def errors_removed(before: dict, after: dict) -> tuple[float, str]:
     """(the share of `before`'s greedy errors that `after` no longer makes, a phrase) of one family."""
-    wrong = [round((1 - m["accuracy"]) * m["n"]) for m in (before, after)]
+    wrong = [wrong_answers(m) for m in (before, after)]
     share = (wrong[0] - wrong[1]) / wrong[0] if wrong[0] else 0.0
     return share, f"{wrong[0]} → {wrong[1]} ({share:.0%} removed)"
 

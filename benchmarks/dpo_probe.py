@@ -4,10 +4,11 @@
 
 PROJECT is a folder where `dvc repro sft` ran (runs/sft/model, data/raw, data/packed/val):
 a fresh clone after `make repro`, for one. The stage and the eval run as the pipeline runs
-them, with this tree's code and params.yaml changed by the key=value pairs, into
-/tmp/dpo-probe/NAME. One JSON line: the eval's greedy errors beside SFT's, the share
-removed, val loss, pass@k, the pairs drawn and the stage's seconds. A probe, not a DVC
-experiment: the pretrain and SFT stages it starts from are not rerun.
+them, with this tree's code and params.yaml changed by the key=value pairs, into PROJECT's
+runs/dpo-probe/NAME (no stage of DVC's writes there). One JSON line: the eval's greedy
+errors beside SFT's, the share removed, val loss, pass@k, the pairs drawn and the stage's
+seconds. A probe, not a DVC experiment: the pretrain and SFT stages it starts from are not
+rerun.
 """
 
 import argparse
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("project", type=Path, help="a folder where `dvc repro sft` ran")
-    parser.add_argument("name", help="the probe's name (its folder under /tmp/dpo-probe)")
+    parser.add_argument("name", help="the probe's name (its folder under PROJECT's runs/dpo-probe)")
     parser.add_argument("settings", nargs="*", help="key=value changes to params.yaml, as `dvc exp run -S` takes")
     args = parser.parse_args()
     project, name, overrides = args.project.resolve(), args.name, args.settings
@@ -39,7 +40,7 @@ def main() -> None:
         for part in path:
             section = section[part]
         section[last] = yaml.safe_load(value)
-    out = Path("/tmp/dpo-probe") / name
+    out = project / "runs/dpo-probe" / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     (out / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -380,14 +380,14 @@ def beats_control(control: dict, student: dict, families: list[str]) -> str:
     )
 
 
-def greedy_errors(e: dict) -> int:
-    """Wrong greedy chat answers on the held-out prompts, over every family."""
-    return round((1 - e["chat"]["accuracy"]) * e["chat"]["n"])
+def wrong_answers(scores: dict) -> int:
+    """The wrong answers behind an accuracy (`accuracy` of `n` prompts: a family's, or the pooled chat's)."""
+    return round((1 - scores["accuracy"]) * scores["n"])
 
 
 def errors_removed(parent: dict, e: dict) -> str:
-    """The parent's greedy errors → the tuned model's, and the share of them removed (or added)."""
-    before, after = greedy_errors(parent), greedy_errors(e)
+    """The parent's greedy chat errors → the tuned model's, and the share of them removed (or added)."""
+    before, after = wrong_answers(parent["chat"]), wrong_answers(e["chat"])
     if not before:
         return f"{before} → {after}"
     share = (before - after) / before
@@ -418,7 +418,7 @@ def post_training_table(models: list[dict]) -> list[str]:
         best, passes = best_view(e), e.get("chat_pass_k")
         best_cell = f"{best[1]['accuracy']:.3f} (T={best[0]:g})" if best else "—"
         pass_cell = f"{passes['pass_at_' + str(passes['k'])]:.3f} (k={passes['k']})" if passes else "—"
-        removed = errors_removed(parent["eval"], e) if parent else f"{greedy_errors(e)} errors"
+        removed = errors_removed(parent["eval"], e) if parent else f"{wrong_answers(e['chat'])} errors"
         samples = m["train"].get("samples")
         lines.append(
             f"| {m['name']} | {parent['name'] if parent else '—'} | {e['chat']['accuracy']:.3f} | {best_cell} | "

@@ -61,7 +61,8 @@ class Pair:
 def at_fork(pair: Pair) -> Pair:
     """The pair where its answers part: their shared first tokens joined to the prompt, each answer cut
     to its first token of its own (the step that goes wrong, as Step-DPO prefers one step given the
-    right ones before it, Lai et al. 2024). An answer that is a prefix of the other keeps its end."""
+    right ones before it, Lai et al. 2024). An answer that is a prefix of the other is left empty: it ended
+    where the other went on, and its side of the margin is 0."""
     shared = 0
     while shared < min(len(pair.chosen), len(pair.rejected)) and pair.chosen[shared] == pair.rejected[shared]:
         shared += 1
@@ -192,6 +193,7 @@ class PairSource:
         self.tasks = [t for t in tasks or [] if t["family"] in cfg.families]
         self.specs = [json.loads(t["spec"]) for t in self.tasks]
         self.prompts = [gen.chat.user_prompt(t["chat_prompt"]) for t in self.tasks]
+        self.ends_answer = answer_ends(gen.tokenizer)  # where a graded answer ends (GRPO's graded_length)
         if pairs is None and not self.tasks:
             raise StagelmError(f"dpo.families: {list(cfg.families)} has no prompt in the rl set")
         self.steps_per_round = cfg.steps // (1 if pairs is not None else cfg.rounds)
@@ -290,7 +292,6 @@ class PairSource:
         key = jax.random.fold_in(jax.random.key(self.seed), self.round)
         prompts = [self.prompts[i] for i in indices for _ in range(cfg.samples)]
         sampling = Sampling(temperature=cfg.temperature)
-        ends = answer_ends(gen.tokenizer)
         out = []
         for c, start in enumerate(range(0, len(prompts), cfg.sample_rows)):
             part = prompts[start : start + cfg.sample_rows]
@@ -301,7 +302,7 @@ class PairSource:
                 done = gen.completion(row, stop)
                 stopped = done.finish == "stop"
                 ids = done.tokens + ([int(row[len(done.tokens)])] if stopped else [])
-                out.append((ids[: graded_length(done.tokens, stopped, ends)], done.text))
+                out.append((ids[: graded_length(done.tokens, stopped, self.ends_answer)], done.text))
         return out
 
     def describe(self) -> str:
