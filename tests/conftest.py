@@ -63,7 +63,6 @@ SLOWEST_FIRST = (
     "tests/pipeline/test_dvc_queue.py",
     "tests/post/test_grpo.py",
     "tests/interop/test_lm_eval_real.py",
-    "tests/pipeline/test_dvc_lm_eval.py",
     "tests/post/test_distill.py",
     "tests/test_cluster.py",
     "tests/train/test_pretrain_stage.py",
