@@ -189,3 +189,16 @@ def test_the_sampler_draws_what_jax_random_categorical_draws():
         np.testing.assert_array_equal(draw(key, logits), jax.random.categorical(key, logits, axis=-1))
         np.testing.assert_array_equal(draw(key, logits / 0.7), jax.random.categorical(key, logits / 0.7, axis=-1))
     assert int(first_max(jnp.full((1, 7), jnp.nan))[0]) == 6  # never an id past the vocabulary
+
+
+def test_the_slot_major_cache_gives_the_same_tokens(gen, monkeypatch):
+    """A TPU's cache layout (`kvcache`), run here: the same greedy tokens batched, alone and streamed."""
+    from stagelm.model import kvcache
+
+    prompts = [ids(gen, p) for p in PROMPTS]
+    heads = [c.tokens for c in gen.generate(prompts, 16, batch=4)]
+    monkeypatch.setattr(kvcache, "default_layout", lambda backend=None: "slots")
+    slots = Generator(gen.model, gen.tokenizer, gen.capacity)
+    assert [c.tokens for c in slots.generate(prompts, 16, batch=4)] == heads
+    assert slots.generate([prompts[2]], 16)[0].tokens == heads[2]
+    assert list(slots.stream(prompts[0], 8)) == heads[0][:8]

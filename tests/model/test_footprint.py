@@ -6,8 +6,9 @@ from flax import nnx
 
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
-from stagelm.model.decoder import Decoder, DecoderConfig, count_params, init_cache
+from stagelm.model.decoder import Decoder, DecoderConfig, count_params
 from stagelm.model.footprint import kv_cache_bytes, param_count
+from stagelm.model.kvcache import init_cache
 
 
 @pytest.mark.parametrize("tie", [True, False])

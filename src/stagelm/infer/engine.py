@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from stagelm.infer.generate import Generator, first_max, sample_tokens
-from stagelm.model.decoder import KVCache, LayerCache, init_cache
+from stagelm.model.kvcache import KVCache, LayerCache, init_cache, pinned, slot_axis
 
 
 @dataclasses.dataclass
@@ -133,12 +133,14 @@ class Engine:
         first, alone = model.prefill(tokens, seg, pos, alone)
         width = tokens.shape[1]
         cols = (column - width + jnp.arange(width)) % self.capacity
+
+        def copied(big: jax.Array, one: jax.Array) -> jax.Array:
+            if big.ndim == 4:  # (B, K, S, Dh)[row, :, cols] is (width, K, Dh): the advanced indices' axis comes first
+                return pinned(big).at[row, :, cols].set(one[0, :, :width].swapaxes(0, 1))
+            return pinned(big).at[row, cols].set(one[0, :width])  # (B, S, K·Dh)[row, cols] is (width, K·Dh)
+
         layers = tuple(
-            # (B, K, S, Dh) indexed [row, :, cols] is (width, K, Dh): the advanced indices' axis comes first
-            LayerCache(
-                big.k.at[row, :, cols].set(one.k[0, :, :width].swapaxes(0, 1)),
-                big.v.at[row, :, cols].set(one.v[0, :, :width].swapaxes(0, 1)),
-            )
+            LayerCache(copied(big.k, one.k), copied(big.v, one.v))
             for big, one in zip(cache.layers, alone.layers, strict=True)
         )
         segs = cache.segment_ids.at[row, cols].set(seg[0])
@@ -172,11 +174,8 @@ class Engine:
             new, part = model.cached(tokens[:, None], seg[:size, None], pos[:size, None], part, column)
 
             def put(whole: jax.Array, rows: jax.Array) -> jax.Array:
-                slots = 1 if whole.ndim == 2 else 2  # segments and positions (B, S); k/v (B, K, S, Dh)
-                written = jax.lax.dynamic_slice_in_dim(rows, column, 1, axis=slots)
-                start = [0] * whole.ndim
-                start[slots] = column
-                return jax.lax.dynamic_update_slice(whole, written, start)
+                written = jax.lax.dynamic_slice_in_dim(rows, column, 1, axis=slot_axis(whole))
+                return jax.lax.dynamic_update_slice_in_dim(pinned(whole), written, column, axis=slot_axis(whole))
 
             cache = jax.tree.map(put, cache, part)
         logits = jax.lax.dynamic_update_slice_in_dim(logits, new[:, 0].astype(logits.dtype), 0, 0)

@@ -29,7 +29,8 @@ from tokenizers import Tokenizer
 from stagelm.data.chatformat import ChatFormat, load_chat_format
 from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infra.errors import StagelmError
-from stagelm.model.decoder import Decoder, init_cache
+from stagelm.model.decoder import Decoder
+from stagelm.model.kvcache import init_cache
 from stagelm.model.modeldir import load_model, read_model_context
 
 BUCKET = 16

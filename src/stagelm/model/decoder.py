@@ -28,6 +28,7 @@ from flax import nnx
 
 from stagelm.infra.mesh import constrain
 from stagelm.model.attention_kernels import BLOCK, Tuning, kernel_for, splash_attention
+from stagelm.model.kvcache import KVCache, LayerCache, pinned, slot_major_attention
 from stagelm.pipeline.config import ModelShape
 
 
@@ -182,9 +183,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal:
 
 
 def heads_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool = False) -> jax.Array:
-    """`attention` with k, v already (B, K, S, Dh), the KV cache's layout: a decode step then
-    reads the cache as it lies, with no transposed copy of it per layer and step (and on a TPU
-    its minor axes are the slots and the head's width, not K heads padded to a tile)."""
+    """`attention` with k, v already (B, K, S, Dh), a heads-major KV cache's layout (`kvcache`)."""
     b, t, h, dh = q.shape
     kh = k.shape[1]
     q = (q * dh**-0.5).reshape(b, t, kh, h // kh, dh).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, Dh)
@@ -277,16 +276,18 @@ class Attention(nnx.Module):
             return splash_attention(q, k, v, mask.ids, self.cfg.splash_tuning)
         return attention(q, k, v, mask, causal=True)
 
-    def prefill(self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, layer: "LayerCache"):
+    def prefill(self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, layer: LayerCache):
         """Attention over this call's T tokens alone, as training computes it, their k/v written at slots [0, T)."""
         q, k, v = self.project_qkv(x, rot)
         return self.o(self.over_rows(q, k, v, mask)), layer.written(k, v, jnp.int32(0))
 
-    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
+    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: LayerCache, index: jax.Array):
         """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
         q, k, v = self.project_qkv(x, rot)
         layer = layer.written(k, v, index)
-        return self.o(heads_major_attention(q, layer.k.astype(x.dtype), layer.v.astype(x.dtype), mask)), layer
+        k, v = pinned(layer.k).astype(x.dtype), pinned(layer.v).astype(x.dtype)
+        read = heads_major_attention if k.ndim == 4 else slot_major_attention  # the cache's layout (kvcache)
+        return self.o(read(q, k, v, mask)), layer
 
 
 class MLP(nnx.Module):
@@ -320,12 +321,12 @@ class Block(nnx.Module):
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps), mlp_rng)
         return constrain(x, ("batch", "seq", "embed_act"))
 
-    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: "LayerCache", index: jax.Array):
+    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: LayerCache, index: jax.Array):
         y, layer = self.attn.cached(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, layer, index)
         x = x + y
         return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), layer
 
-    def prefill(self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, layer: "LayerCache"):
+    def prefill(self, x: jax.Array, rot: Rotary, mask: jax.Array | Segments, layer: LayerCache):
         y, layer = self.attn.prefill(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, layer)
         x = x + y
         return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), layer
@@ -387,8 +388,8 @@ class Decoder(nnx.Module):
         return self.logits(self.hidden(tokens, segment_ids, positions, rng))
 
     def cached(
-        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: "KVCache", index: jax.Array
-    ) -> tuple[jax.Array, "KVCache"]:
+        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: KVCache, index: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
         """(logits (B, T, V), cache) for tokens written at cache slots [index, index + T).
 
         The cache remembers each slot's segment and position, so the same
@@ -407,8 +408,8 @@ class Decoder(nnx.Module):
         return self.logits(h), KVCache(tuple(layers), seg, pos)
 
     def prefill(
-        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: "KVCache"
-    ) -> tuple[jax.Array, "KVCache"]:
+        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
         """(the last position's logits (B, 1, V), cache) for prompt rows (B, T) written at cache slots
         [0, T): `cached` at index 0, computed as training computes the rows (attention over the
         T tokens alone, causal halves or the splash kernel, not over every slot of the cache) and
@@ -455,43 +456,6 @@ def scan_blocks(
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return jax.lax.scan(body, x, (stacked, stacked_keys))[0]
-
-
-class LayerCache(NamedTuple):
-    k: jax.Array  # (B, K, S, Dh): heads major, so attention reads it as it lies
-    v: jax.Array
-
-    def written(self, k: jax.Array, v: jax.Array, index: jax.Array) -> "LayerCache":
-        """This cache with a call's k/v (B, T, K, Dh) at slots [index, index + T): the T new
-        tokens are transposed to the cache's layout, never the cache."""
-        start = (0, 0, index, 0)
-        return LayerCache(
-            jax.lax.dynamic_update_slice(self.k, k.transpose(0, 2, 1, 3).astype(self.k.dtype), start),
-            jax.lax.dynamic_update_slice(self.v, v.transpose(0, 2, 1, 3).astype(self.v.dtype), start),
-        )
-
-
-class KVCache(NamedTuple):
-    """A fixed-capacity cache of S slots: per-layer k/v plus each slot's segment (0 = empty) and position."""
-
-    layers: tuple[LayerCache, ...]
-    segment_ids: jax.Array  # (B, S)
-    positions: jax.Array  # (B, S)
-
-    def slots_written(self, segment_ids: jax.Array, positions: jax.Array, index: jax.Array) -> tuple:
-        """(segment ids, positions) of every slot once a call's (B, T) are written at [index, index + T)."""
-        start = (0, index)
-        return (
-            jax.lax.dynamic_update_slice(self.segment_ids, segment_ids.astype(jnp.int32), start),
-            jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), start),
-        )
-
-
-def init_cache(cfg: DecoderConfig, batch: int, capacity: int) -> KVCache:
-    shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
-    layer = LayerCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
-    empty = jnp.zeros((batch, capacity), jnp.int32)
-    return KVCache(tuple(layer for _ in range(cfg.n_layers)), empty, empty)
 
 
 def count_params(model: nnx.Module) -> int:
