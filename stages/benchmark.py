@@ -7,9 +7,9 @@ Times the `benchmark` section's decoder (random weights and tokens) after warm-u
 KV cache is measured against, `benchmark.naive_repetitions` times), and writes medians
 under stable keys to `<out>/metrics.json`, every raw sample to `<out>/samples.jsonl`,
 and provenance (stagelm.measure.benchmark). MFU is measured against a large jitted matmul
-timed in the same run and, on a device with a published peak, against that peak too. When
-torch is importable, the same shape in plain PyTorch (stagelm.measure.torch_peer) is timed
-in the same run and the ratios are recorded under `torch`.
+timed in the same run and, on a device with a published peak, against that peak too. With
+`benchmark.torch_peer: true` (torch installed), the same shape in plain PyTorch
+(stagelm.measure.torch_peer) is timed in the same run and the ratios are recorded under `torch`.
 """
 
 import jax

@@ -63,6 +63,7 @@ def test_benchmark_stage_writes_stable_keys_and_raw_samples(micro_data, tmp_path
     env = metrics["environment"]
     assert env["backend"] == "cpu" and env["device_count"] >= 1 and env["jax"] and env["threads"] >= 1
     assert "commit" in metrics  # None here: the work dir is no git checkout (the pipeline test has one)
+    assert "torch" not in metrics and "PyTorch" not in out.stdout  # benchmark.torch_peer false: not timed, torch or not
     reps, naive_reps = params["benchmark"]["repetitions"], params["benchmark"]["naive_repetitions"]
     samples = [json.loads(line) for line in (tmp_path / "out/samples.jsonl").read_text().splitlines()]
     by_measure = {}

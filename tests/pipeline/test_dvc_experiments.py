@@ -16,7 +16,7 @@ from dvc_stages import stages_ran
 
 from stagelm.infra.files import read_json
 
-GRPO_LR = "runs/grpo/plots/metrics/train/lr.tsv"
+DPO_LR = "runs/dpo/plots/metrics/train/lr.tsv"
 
 pytestmark = pytest.mark.slow
 
@@ -24,30 +24,31 @@ pytestmark = pytest.mark.slow
 def test_experiment_runs_and_compares(project):
     # The user's flow on a stage near the end of the DAG, so the experiment reruns five stages,
     # not the thirty below a pretraining edit (test_dvc_repro.py checks what each kind of edit
-    # reruns). DVC writes 5e-5 into params.yaml as `5e-05`: a float in YAML 1.2 (DVC's reading
+    # reruns). dpo, not grpo: the micro policy earns GRPO no reward, so grpo's weights come out
+    # the same at any rate and DVC rightly reruns nothing below it. DVC writes 5e-5 into params.yaml as `5e-05`: a float in YAML 1.2 (DVC's reading
     # and ours), a string in YAML 1.1, which refused it; every rate below 1e-4 was out of reach
     # of `dvc exp run`.
-    out = run(["dvc", "exp", "run", "-n", "lr5e5", "-S", "grpo.lr=5e-5"], project)
-    assert set(stages_ran(out.stdout)) == {"params", "grpo", "eval@grpo", "sample@grpo", "export@grpo", "report"}
+    out = run(["dvc", "exp", "run", "-n", "lr5e5", "-S", "dpo.lr=5e-5"], project)
+    assert set(stages_ran(out.stdout)) == {"params", "dpo", "eval@dpo", "sample@dpo", "export@dpo", "report"}
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
     baseline = shown[1]
     experiment = baseline["experiments"][0]["revs"][0]
     for rev in (baseline, experiment):
         metrics = rev["data"]["metrics"]
-        assert metrics["runs/grpo/metrics.json"]["data"]["val_loss"] > 0
-        assert metrics["runs/eval/grpo/metrics.json"]["data"]["accuracy"] >= 0
+        assert metrics["runs/dpo/metrics.json"]["data"]["val_loss"] > 0
+        assert metrics["runs/eval/dpo/metrics.json"]["data"]["accuracy"] >= 0
     assert "lr: 5e-05" in (project / "params.yaml").read_text()  # as DVC wrote it
-    assert experiment["data"]["params"]["params.yaml"]["data"]["grpo"]["lr"] == 5e-5
-    assert read_json(project / "runs/grpo/provenance.json")["params"]["grpo"]["lr"] == 5e-5
-    rates = [float(line.split("\t")[1]) for line in (project / GRPO_LR).read_text().splitlines()[1:]]
-    assert max(rates) == pytest.approx(5e-5) and len(rates) == micro_params()["grpo"]["steps"]  # trained at it
+    assert experiment["data"]["params"]["params.yaml"]["data"]["dpo"]["lr"] == 5e-5
+    assert read_json(project / "runs/dpo/provenance.json")["params"]["dpo"]["lr"] == 5e-5
+    rates = [float(line.split("\t")[1]) for line in (project / DPO_LR).read_text().splitlines()[1:]]
+    assert max(rates) == pytest.approx(5e-5) and len(rates) == micro_params()["dpo"]["steps"]  # trained at it
     diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], project).stdout
-    assert "runs/grpo/metrics.json" in json.loads(diff)
+    assert "runs/dpo/metrics.json" in json.loads(diff)
     params = json.loads(run(["dvc", "params", "diff", "HEAD", "--json"], project).stdout)
-    assert params["params.yaml"]["grpo.lr"]["new"] == 5e-5
+    assert params["params.yaml"]["dpo.lr"]["new"] == 5e-5
     run(["dvc", "plots", "diff", "HEAD", "lr5e5", "-o", "plots_diff"], project)
     page = (project / "plots_diff/index.html").read_text()
-    assert "lr5e5" in page and "HEAD" in page and "runs/grpo/plots/metrics/train/loss.tsv" in page
+    assert "lr5e5" in page and "HEAD" in page and "runs/dpo/plots/metrics/train/loss.tsv" in page
     assert "cdn.jsdelivr" not in page and "/* vega 5.33.1 */" in page
 
 

@@ -20,6 +20,7 @@ import jax
 
 from stagelm.data.loader import PackedRows, batch_iterator
 from stagelm.infra.devices import peak_flops
+from stagelm.infra.errors import StagelmError
 from stagelm.infra.memory import require_memory
 from stagelm.measure.microbench import bench_decode, bench_train, matmul_flops
 from stagelm.measure.timing import summary, timed
@@ -103,7 +104,9 @@ MEASURES = {
 def measure_all(cfg: BenchmarkConfig, rows: PackedRows) -> tuple[dict[str, list[float]], float]:
     """(raw samples of every measure under its stable key, the train step's first call in seconds):
     the matmul, the train step, cached and naive decoding at batch 1 and 8, the loader, and the
-    PyTorch peer's train step and decoding when torch is importable."""
+    PyTorch peer's train step and decoding when `benchmark.torch_peer` asks for them."""
+    if cfg.torch_peer and importlib.util.find_spec("torch") is None:  # before minutes of measuring
+        raise StagelmError("benchmark.torch_peer: torch is not installed; pip install torch, or set it false")
     model, warm, reps = decoder_config(cfg), cfg.warmup, cfg.repetitions
     tokens_per_step = cfg.seq_len * cfg.batch_size
     samples = {"matmul.flops_per_sec": matmul_flops(cfg.matmul_size, cfg.dtype, warm, reps)}
@@ -122,7 +125,7 @@ def measure_all(cfg: BenchmarkConfig, rows: PackedRows) -> tuple[dict[str, list[
     row_tokens = rows.manifest["row_len"] - 1
     samples["loader.batches_per_sec"] = [LOADER_BATCHES / s for s in loader]
     samples["loader.tokens_per_sec"] = [LOADER_BATCHES * cfg.batch_size * row_tokens / s for s in loader]
-    if importlib.util.find_spec("torch") is not None:  # the PyTorch peer, side by side, when installed
+    if cfg.torch_peer:  # the PyTorch peer, side by side, when asked for
         from stagelm.measure.torch_peer import run_peer
 
         peer = run_peer(cfg, warm, reps)
@@ -210,7 +213,7 @@ def benchmark_lines(metrics: dict[str, Any]) -> list[str]:
         f"loader {metrics['loader']['tokens_per_sec']:,.0f} tok/s"
     ]
     if "torch" not in metrics:
-        return [*lines, "benchmark: torch is not installed; the PyTorch peer was skipped"]
+        return lines  # benchmark.torch_peer: false
     r = metrics["torch"]["ratio"]
     return [
         *lines,

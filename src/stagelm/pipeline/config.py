@@ -669,6 +669,12 @@ class BenchmarkConfig(ModelShape):
     # at batch 8 its ten repetitions were most of the stage; a few give its median to well
     # within the speedup the claims check (>= 5x).
     naive_repetitions: int = param("timed calls of naive full-prefix decoding, the KV cache's reference", POSITIVE)
+    # Asked for, never inferred from what happens to be installed: the stage's outputs must not
+    # depend on an untracked package, and the peer's timed calls doubled the stage's time.
+    torch_peer: bool = param(
+        "also time the same shape in plain PyTorch (src/stagelm/measure/torch_peer.py); needs torch, "
+        "which stagelm never installs"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
