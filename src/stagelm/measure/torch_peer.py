@@ -1,7 +1,7 @@
 """The peer a user would otherwise pick: the same decoder in plain PyTorch, timed like ours.
 
-Imported by the benchmark stage only when torch is importable (it is never a dependency of
-stagelm): a float32 train step (AdamW, the same loss) and greedy decoding with a
+Imported by the benchmark stage only with `benchmark.torch_peer: true` (torch is never a
+dependency of stagelm): a float32 train step (AdamW, the same loss) and greedy decoding with a
 preallocated KV cache, on the benchmark section's shape, random weights and tokens.
 """
 
