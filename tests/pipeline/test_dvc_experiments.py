@@ -25,9 +25,9 @@ def test_experiment_runs_and_compares(project):
     # The user's flow on a stage near the end of the DAG, so the experiment reruns five stages,
     # not the thirty below a pretraining edit (test_dvc_repro.py checks what each kind of edit
     # reruns). dpo, not grpo: the micro policy earns GRPO no reward, so grpo's weights come out
-    # the same at any rate and DVC rightly reruns nothing below it. DVC writes 5e-5 into params.yaml as `5e-05`: a float in YAML 1.2 (DVC's reading
-    # and ours), a string in YAML 1.1, which refused it; every rate below 1e-4 was out of reach
-    # of `dvc exp run`.
+    # the same at any rate and DVC rightly reruns nothing below it. DVC writes 5e-5 into
+    # params.yaml as `5e-05`: a float in YAML 1.2 (DVC's reading and ours), a string in YAML 1.1,
+    # which refused it; every rate below 1e-4 was out of reach of `dvc exp run`.
     out = run(["dvc", "exp", "run", "-n", "lr5e5", "-S", "dpo.lr=5e-5"], project)
     assert set(stages_ran(out.stdout)) == {"params", "dpo", "eval@dpo", "sample@dpo", "export@dpo", "report"}
     shown = json.loads(run(["dvc", "exp", "show", "--json"], project).stdout)
