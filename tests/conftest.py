@@ -212,6 +212,20 @@ def forward(model, tokens, segment_ids, positions):
     return model(tokens, segment_ids, positions)
 
 
+def micro_decoder(micro_data: Path):
+    """(a random micro decoder, the micro tokenizer): the shape the generator, engine and lm-eval tests run."""
+    from flax import nnx
+
+    from stagelm.data.tokenizer import load_tokenizer
+    from stagelm.model.decoder import Decoder, DecoderConfig
+
+    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
+    cfg = DecoderConfig(
+        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.2
+    )
+    return Decoder(cfg, nnx.Rngs(0)), tok
+
+
 def write_params(path: Path, params: dict) -> Path:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path

@@ -1,22 +1,16 @@
 """The continuous-batching engine: requests that join a running batch decode as each alone, in both cache layouts."""
 
 import pytest
-from flax import nnx
+from conftest import micro_decoder
 
-from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infer.engine import Engine, Request
 from stagelm.infer.generate import Generator
 from stagelm.model import kvcache
-from stagelm.model.decoder import Decoder, DecoderConfig
 
 
 @pytest.fixture(scope="module")
 def gen(micro_data):
-    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
-    cfg = DecoderConfig(
-        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.2
-    )
-    return Generator(Decoder(cfg, nnx.Rngs(0)), tok, capacity=48)
+    return Generator(*micro_decoder(micro_data), capacity=48)
 
 
 @pytest.mark.parametrize("layout", ["heads", "slots"])

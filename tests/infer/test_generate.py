@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import micro_decoder
 from flax import nnx
 
 from stagelm.data.rawdata import read_raw
-from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infer.generate import Generator, Sampling, sample_tokens
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import sha256_file
@@ -19,11 +19,7 @@ from stagelm.model.decoder import Decoder, DecoderConfig
 
 @pytest.fixture(scope="module")
 def gen(micro_data):
-    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
-    cfg = DecoderConfig(
-        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.2
-    )
-    return Generator(Decoder(cfg, nnx.Rngs(0)), tok, capacity=96)
+    return Generator(*micro_decoder(micro_data), capacity=96)
 
 
 PROMPTS = ["Once upon a time, Mia", "23 plus 5 is", "Tom saw a big red kite near the river and"]

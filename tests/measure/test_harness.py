@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, env_with_venv
-from flax import nnx
+from conftest import ROOT, env_with_venv, micro_decoder
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the eval extra (pip install -e '.[eval]'; make test does)")
 from lm_eval import simple_evaluate  # noqa: E402
@@ -20,11 +19,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval_tasks import write_tasks  # noqa: E402  (tests/measure/)
 
-from stagelm.data.tokenizer import load_tokenizer  # noqa: E402
 from stagelm.infer.scoring import pack_rows, share_prefixes  # noqa: E402
 from stagelm.infra.errors import StagelmError  # noqa: E402
 from stagelm.measure.harness import StagelmLM, lm_eval_argv, metrics_of, resolve_tasks  # noqa: E402
-from stagelm.model.decoder import Decoder, DecoderConfig  # noqa: E402
 from stagelm.model.modeldir import save_model  # noqa: E402
 
 CONTEXT = 64
@@ -32,12 +29,10 @@ CONTEXT = 64
 
 @pytest.fixture(scope="module")
 def model_dir(micro_data, tmp_path_factory) -> Path:
-    tok = load_tokenizer(micro_data / "tokenizer/tokenizer.json")
-    cfg = DecoderConfig(
-        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.2
-    )
     out = tmp_path_factory.mktemp("harness") / "model"
-    save_model(out, Decoder(cfg, nnx.Rngs(0)), micro_data / "tokenizer/tokenizer.json", extra={"context_len": CONTEXT})
+    save_model(
+        out, micro_decoder(micro_data)[0], micro_data / "tokenizer/tokenizer.json", extra={"context_len": CONTEXT}
+    )
     return out
 
 
