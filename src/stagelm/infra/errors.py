@@ -16,6 +16,8 @@ finalised by rename, so nothing half-written is left for the next run to trust.
 
 Before anything runs, an entry point on Linux may start itself again with huge pages
 for malloc (`stagelm.infra.hugepages`): XLA's step buffers then cost far fewer page faults.
+And every entry point keeps what XLA compiles on disk (`stagelm.infra.compile_cache`), so a
+later stage or command that compiles the same program loads it.
 """
 
 import argparse
@@ -27,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from stagelm.infra.compile_cache import use_compile_cache
 from stagelm.infra.hugepages import restart_with_huge_pages
 
 
@@ -123,6 +126,7 @@ def run_main(main: Callable[[], object], interrupted: str | None = STAGE_INTERRU
     other exception is a bug and keeps its traceback. SIGINT and SIGTERM end it at once,
     saying `interrupted` (what happens next) after the signal's name."""
     restart_with_huge_pages()
+    use_compile_cache()
     handler = stop_at_once(interrupted)
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
