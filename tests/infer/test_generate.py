@@ -10,7 +10,7 @@ from conftest import micro_decoder
 from flax import nnx
 
 from stagelm.data.rawdata import read_raw
-from stagelm.infer.generate import Generator, Sampling, sample_tokens
+from stagelm.infer.generate import Generator, Sampling, as_matrices, sample_tokens
 from stagelm.infra.errors import StagelmError
 from stagelm.infra.files import sha256_file
 from stagelm.measure.evaluation import answer_tasks, pass_at_k, pass_k_metrics
@@ -198,3 +198,15 @@ def test_the_slot_major_cache_gives_the_same_tokens(gen, monkeypatch):
     assert [c.tokens for c in slots.generate(prompts, 16, batch=4)] == heads
     assert slots.generate([prompts[2]], 16)[0].tokens == heads[2]
     assert list(slots.stream(prompts[0], 8)) == heads[0][:8]
+
+
+def test_the_decode_loop_carries_each_projection_as_its_matrix(gen):
+    """`as_matrices`: each projection's weight as the (fan-in, fan-out) matrix its matmul reads, and back."""
+    matrices, stored = as_matrices(gen.graphdef, gen.params)
+    block, cfg = nnx.merge(gen.graphdef, matrices).blocks[0], gen.model.cfg
+    width = cfg.n_heads * cfg.head_dim
+    assert block.attn.q.w.shape == (cfg.d_model, width) and block.attn.o.w.shape == (width, cfg.d_model)
+    assert block.attn.kv.w.shape == (cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim)
+    assert block.mlp.gate_up.w.shape == (cfg.d_model, 2 * cfg.d_ff)
+    same = jax.tree.map(lambda a, b: a.shape == b.shape and bool((a == b).all()), stored(matrices), gen.params)
+    assert all(jax.tree.leaves(same))

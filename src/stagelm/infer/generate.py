@@ -16,7 +16,8 @@ traced values, so a generator compiles once per batch size and bucket.
 """
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from tokenizers import Tokenizer
 from stagelm.data.chatformat import ChatFormat, load_chat_format
 from stagelm.data.tokenizer import load_tokenizer
 from stagelm.infra.errors import StagelmError
-from stagelm.model.decoder import Decoder
+from stagelm.model.decoder import Decoder, Projection
 from stagelm.model.kvcache import init_cache
 from stagelm.model.modeldir import load_model, read_model_context
 
@@ -115,6 +116,29 @@ def sample_tokens(
     return jax.lax.cond(temperature > 0, sample, greedy, logits)
 
 
+def as_matrices(graphdef: Any, params: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """`params` with each projection's weight as the 2-D matrix its matmul multiplies by (the
+    fan-in axes flattened, then the rest), and the function that gives them their stored shapes back.
+
+    A decode loop carries the matrices and reshapes them back inside: XLA folds that reshape into
+    the matmul's own (`decoder.matmul`), so each step reads a weight as it lies. Carried in their
+    stored shapes, XLA:TPU tiled the (D, 2, F) gate_up weight by its axis of 2 and relaid it out
+    to (D, 2F) inside the loop, every layer and step (benchmarks/README.md, "Decoding on a TPU")."""
+    graph = nnx.iter_graph(nnx.merge(graphdef, params))
+    projections = {path: node for path, node in graph if isinstance(node, Projection)}
+    stored = {path: p.w.shape for path, p in projections.items()}
+    matrices = {path: (math.prod(p.w.shape[: p.in_dims]), -1) for path, p in projections.items()}
+
+    def reshaped(params: Any, shapes: dict[tuple, tuple[int, ...]]) -> Any:
+        def leaf(path: tuple, x: jax.Array) -> jax.Array:
+            names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))  # (..., "gate_up", "w")
+            return x.reshape(shapes[names[:-1]]) if names[-1] == "w" and names[:-1] in shapes else x
+
+        return jax.tree_util.tree_map_with_path(leaf, params)
+
+    return reshaped(params, matrices), lambda flat: reshaped(flat, stored)
+
+
 @dataclasses.dataclass
 class Completion:
     tokens: list[int]  # generated ids, the stop token excluded
@@ -179,6 +203,7 @@ class Generator:
         # would add nothing to a row's softmax but their cost).
         batch, width = tokens.shape
         logits, cache = self._prefill_fn(params, tokens, seg, pos, width + max_new)
+        matrices, stored = as_matrices(self.graphdef, params)  # what the loop carries
         next_pos = pos[:, -1] + 1
         out = jnp.zeros((batch, max_new), jnp.int32)
         zeros = jnp.zeros((batch, max_new), jnp.float32)
@@ -205,7 +230,7 @@ class Generator:
                     "entropy": stats["entropy"].at[:, i].set(jnp.where(done, 0.0, entropy)),
                 }
             done = done | stop[token]
-            logits, cache = self._step_fn(params, cache, token, next_pos + i, width + i)
+            logits, cache = self._step_fn(stored(matrices), cache, token, next_pos + i, width + i)
             return i + 1, logits, cache, out, stats, done, key
 
         carry = (jnp.int32(0), logits, cache, out, stats, done, key)
