@@ -6,7 +6,10 @@ For each batch: greedy generation of --new tokens after a --prompt-token prompt 
 `Generator.generate`, fixed length), its tokens/s against the bandwidth bound (every step
 streams the weights once, as benchmarks/accelerator.py counts it, and, beside it, the bound
 that also reads the cache's filled slots), the prefill's time, and with --profile the
-device time of one generation by XLA op (`microbench.device_time_by_op`). On a fresh TPU
+device time of one generation by XLA op (`microbench.device_time_by_op`) and by op
+signature (`by_signature`: an op's HLO text without its instruction numbers, so that the
+same op of every layer adds up). Every batch is compiled first, all at once (`warm`:
+XLA compiles in the threads in parallel), so `first_call_seconds` overlap. On a fresh TPU
 machine, with the wheels its index lacks in .whl-tpu/ (ruamel.yaml: benchmarks/README.md):
 
     STAGELM_SCRIPT=benchmarks/decode_profile.py bash benchmarks/tpu.sh --out decode.json
@@ -15,10 +18,12 @@ machine, with the wheels its index lacks in .whl-tpu/ (ruamel.yaml: benchmarks/R
 import argparse
 import datetime
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -35,16 +40,52 @@ from stagelm.model.footprint import dtype_bytes, param_count  # noqa: E402
 SHAPE = dict(d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, vocab_size=49152)
 
 
-def entry(gen, batch: int, prompt: int, new: int, profile: bool) -> dict:
+def random_prompts(gen, batch: int, prompt: int) -> list[list[int]]:
+    return np.random.default_rng(1).integers(10, gen.model.cfg.vocab_size, (batch, prompt)).tolist()
+
+
+def warm(gen, batches: list[int], prompt: int, new: int) -> dict[int, float]:
+    """Seconds to each batch's first generation and prefill, all compiled at once in threads."""
+
+    def first(batch: int) -> float:
+        t0 = time.perf_counter()
+        prompts = random_prompts(gen, batch, prompt)
+        gen.generate(prompts, new, until_stop=False)
+        jax.block_until_ready(gen._prefill(gen.params, *gen.layout(prompts, new)))
+        return time.perf_counter() - t0
+
+    with ThreadPoolExecutor(len(batches)) as pool:
+        return dict(zip(batches, pool.map(first, batches), strict=True))
+
+
+def by_signature(trace: str, top: int = 30) -> list:
+    """[HLO text without instruction numbers, share of the device time, ops] of the `top` largest
+    signatures of a trace: the same op of every layer and step adds up."""
+    from jax.profiler import ProfileData
+
+    seconds: dict[str, list] = {}
+    for path in sorted(Path(trace).rglob("*.xplane.pb")):
+        for plane in ProfileData.from_file(str(path)).planes:
+            device = plane.name.startswith("/device:")
+            for event in (e for line in plane.lines if device and line.name == "XLA Ops" for e in line.events):
+                if event.name.split(" = ")[0].lstrip("%").startswith("while"):
+                    continue  # a loop's time is its body's ops'
+                key = re.sub(r"(%[\w\-.]+?)(\.\d+)+\b", r"\1", event.name)[:300]
+                seconds.setdefault(key, [0.0, set()])
+                seconds[key][0] += event.duration_ns / 1e9
+                seconds[key][1].add(event.name.split(" = ")[0])
+    total = sum(s for s, _ in seconds.values()) or 1.0
+    ranked = sorted(seconds.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[key, round(s / total, 4), len(ops)] for key, (s, ops) in ranked]
+
+
+def entry(gen, batch: int, prompt: int, new: int, profile: bool, first: float) -> dict:
     cfg = gen.model.cfg
-    prompts = np.random.default_rng(1).integers(10, cfg.vocab_size, (batch, prompt)).tolist()
+    prompts = random_prompts(gen, batch, prompt)
 
     def run() -> None:
         gen.generate(prompts, new, until_stop=False)
 
-    t0 = time.perf_counter()
-    run()
-    first = time.perf_counter() - t0
     seconds = statistics.median(timed(run, 1, 5))
     layout = gen.layout(prompts, new)
     prefill = statistics.median(timed(lambda: jax.block_until_ready(gen._prefill(gen.params, *layout)), 1, 5))
@@ -61,6 +102,7 @@ def entry(gen, batch: int, prompt: int, new: int, profile: bool) -> dict:
         "prefill_seconds": prefill,
         "tokens_per_sec": batch * new / seconds,
         "decode_tokens_per_sec": batch * new / max(seconds - prefill, 1e-9),
+        "decode_step_ms": (seconds - prefill) / new * 1e3,
         "bandwidth_bound_tokens_per_sec": bandwidth / weight_bytes * batch,
         "bound_with_cache_tokens_per_sec": bandwidth
         / (weight_bytes + batch * mean_filled * cache_bytes_per_token)
@@ -72,6 +114,7 @@ def entry(gen, batch: int, prompt: int, new: int, profile: bool) -> dict:
             with jax.profiler.trace(trace):
                 run()
             out["profile"] = device_time_by_op(trace)
+            out["profile"]["by_signature"] = by_signature(trace)
     return out
 
 
@@ -88,6 +131,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--profile", type=int, nargs="*", default=[64], help="batches to profile")
+    parser.add_argument("--note", default="", help="what was run, kept in the output")
     args = parser.parse_args()
     cfg = DecoderConfig(**SHAPE, dtype="bfloat16", param_dtype="bfloat16")
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
@@ -97,13 +141,17 @@ def main() -> None:
         "device_kind": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "hbm_bandwidth": hbm_bandwidth(),
+        "note": args.note,
         "decode": [],
     }
+    t0 = time.perf_counter()
+    firsts = warm(gen, args.batches, args.prompt, args.new)
+    print(f"compiled every batch in {time.perf_counter() - t0:.1f} s", flush=True)
     for batch in args.batches:
-        e = entry(gen, batch, args.prompt, args.new, batch in args.profile)
+        e = entry(gen, batch, args.prompt, args.new, batch in args.profile, firsts[batch])
         print(json.dumps({k: v for k, v in e.items() if k != "profile"}), flush=True)
         if "profile" in e:
-            print(json.dumps(e["profile"], indent=1)[:6000], flush=True)
+            print(json.dumps(e["profile"]["by_signature"][:12], indent=0)[:4000], flush=True)
         result["decode"].append(e)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
