@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from stagelm.infra.compile_cache import use_compile_cache
+from stagelm.infra.compile_cache import cache_settings
 
 # An entry point that compiles one program and prints how many compiles the cache served.
 CHILD = """
@@ -32,13 +32,14 @@ def run_child(environ: dict[str, str]) -> tuple[str, int]:
 
 def test_defaults_fill_only_what_the_environment_leaves_unset(tmp_path):
     environ = {"XDG_CACHE_HOME": str(tmp_path)}
-    use_compile_cache(environ)
-    assert environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "stagelm" / "jax")
+    settings = cache_settings(environ)
+    folder = str(tmp_path / "stagelm" / "jax")
+    assert environ["JAX_COMPILATION_CACHE_DIR"] == folder
     assert environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    assert settings == {"jax_compilation_cache_dir": folder, "jax_persistent_cache_min_compile_time_secs": 0.0}
     mine = {"JAX_COMPILATION_CACHE_DIR": "/elsewhere", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}
-    use_compile_cache(mine)
-    assert mine["JAX_COMPILATION_CACHE_DIR"] == "/elsewhere"
-    assert mine["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "2"
+    assert cache_settings(mine) == {"jax_compilation_cache_dir": "/elsewhere"}  # JAX read the user's minimum itself
+    assert mine == {"JAX_COMPILATION_CACHE_DIR": "/elsewhere", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}
 
 
 def test_a_second_process_loads_what_the_first_compiled_and_computes_the_same(tmp_path):
@@ -55,8 +56,7 @@ def test_a_second_process_loads_what_the_first_compiled_and_computes_the_same(tm
 def test_no_cache_where_its_default_folder_cannot_be_written(tmp_path):
     (tmp_path / "stagelm").write_text("a file where the folder would go")
     environ = {"XDG_CACHE_HOME": str(tmp_path)}
-    use_compile_cache(environ)
-    assert "JAX_COMPILATION_CACHE_DIR" not in environ
+    assert cache_settings(environ) == {} and "JAX_COMPILATION_CACHE_DIR" not in environ
     out, hits = run_child(environ)
     assert hits == 0 and float(out) > 0
 

@@ -30,23 +30,30 @@ def default_dir(environ: dict[str, str]) -> Path:
     return Path(base) / "stagelm" / "jax"
 
 
-def use_compile_cache(environ: dict[str, str] = os.environ) -> None:
-    """Set the cache's defaults in `environ` (JAX reads them at import, as do the processes a
-    stage starts) and, where JAX is imported already, in its config: nothing has compiled yet.
-    Where the default folder cannot be made or written, no cache (JAX would warn at every compile)."""
+def cache_settings(environ: dict[str, str]) -> dict[str, object]:
+    """The cache's defaults, set in `environ` where it leaves them unset (JAX reads them at
+    import, as do the processes a stage starts), and the JAX config values this process must
+    take for them if JAX is imported already; none where the default folder cannot be made or
+    written (JAX would warn at every compile)."""
     if "JAX_COMPILATION_CACHE_DIR" not in environ:
         folder = default_dir(environ)
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError:
-            return
+            return {}
         if not os.access(folder, os.W_OK):
-            return
+            return {}
         environ["JAX_COMPILATION_CACHE_DIR"] = str(folder)
-    settings = {"jax_compilation_cache_dir": environ["JAX_COMPILATION_CACHE_DIR"] or None}
+    settings: dict[str, object] = {"jax_compilation_cache_dir": environ["JAX_COMPILATION_CACHE_DIR"] or None}
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
         environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         settings["jax_persistent_cache_min_compile_time_secs"] = 0.0
+    return settings
+
+
+def use_compile_cache() -> None:
+    """This process's cache, in its environment and, where JAX is imported, its config: nothing has compiled yet."""
+    settings = cache_settings(os.environ)
     jax = sys.modules.get("jax")
     for name, value in settings.items() if jax is not None else ():
         jax.config.update(name, value)
