@@ -7,14 +7,15 @@
 set -euo pipefail
 out=$(realpath "$1"); cores=$2; shift 2
 mkdir -p "$out"
+copies=$(mktemp -d -t recipe-probe.XXXXXX)  # the project copies (data, models): not under OUT, which travels back
 i=0
 for spec in "$@"; do
   name=${spec%%:*}
   sets=()
   IFS=, read -ra pairs <<< "${spec#*:}"
   for pair in "${pairs[@]}"; do sets+=(-S "$pair"); done
-  dir=/tmp/recipe-probe/$name
-  rm -rf "$dir" && mkdir -p "$dir"
+  dir=$copies/$name
+  mkdir -p "$dir"
   git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$dir"  # as the work tree holds them
   first=$((i * cores)); last=$((first + cores - 1)); i=$((i + 1))
   (
@@ -28,3 +29,4 @@ for spec in "$@"; do
 done
 wait
 cat "$out"/*.json
+echo "recipe_probe: the project copies are in $copies"
