@@ -209,7 +209,7 @@ def test_rollout_entropy_is_the_policys_own(micro_data, policy):
 def test_rft_rollout_trains_the_correct_samples_only(micro_data, policy):
     model = load_model(policy)
     gen = Generator(model, load_tokenizer(policy / "tokenizer.json"), read_model_context(policy))
-    cfg = grpo_section(objective="rft", prompts_per_step=2, group_size=4, anchor_coef=0.0)
+    cfg = grpo_section(objective="rft", prompts_per_step=2, group_size=4, anchor_coef=0.0, kl_coef=0.0)
     rollouts = Rollouts(cfg, gen, nnx.graphdef(model), rollout_sets(micro_data / "raw", cfg)[0], seed=0)
     groups = rollouts.sample_groups(gen.params, np.arange(2), jax.random.key(0))
     for g, correct in zip(groups, ([True, False, False, True], [False] * 4), strict=True):
@@ -219,6 +219,13 @@ def test_rft_rollout_trains_the_correct_samples_only(micro_data, policy):
     lengths = [n for g in groups for n in g.lengths]
     np.testing.assert_array_equal(trained, [lengths[0], 0, 0, lengths[3], 0, 0, 0, 0])
     np.testing.assert_array_equal(batch["advantages"][:, 0], [1, 0, 0, 1, 0, 0, 0, 0])
+    # No KL penalty and no anchor: no reference is kept, and no rollout is scored by one.
+    assert rollouts.ref is None and "ref_logp" not in batch
+    cfg = grpo_section(objective="rft", prompts_per_step=2, group_size=4, anchor_coef=0.0, kl_coef=0.05)
+    penalised = Rollouts(cfg, gen, nnx.graphdef(model), rollouts.tasks, seed=0)
+    ref_batch = penalised.layout(gen.params, groups)
+    np.testing.assert_array_equal(ref_batch["tokens"], batch["tokens"])
+    assert ref_batch["ref_logp"].shape == batch["tokens"].shape
 
 
 def rollout_batch(model, old_shift: float = 0.0):
@@ -239,6 +246,7 @@ def test_on_policy_update_is_exactly_the_policy_gradient():
     model = Decoder(CFG, nnx.Rngs(0))
     batch, logp = rollout_batch(model)
     batch["on_policy"] = jnp.ones_like(batch["advantages"])
+    del batch["ref_logp"]  # with no KL penalty the loss reads no reference (the rollouts carry none)
     graphdef, params = nnx.split(model)
     mask, adv = batch["completion_mask"][:, 1:], batch["advantages"][:, 1:]
 
@@ -253,6 +261,7 @@ def test_on_policy_update_is_exactly_the_policy_gradient():
         return -jnp.sum(adv * lp * mask) / jnp.sum(mask)
 
     (value, aux), grads = jax.jit(jax.value_and_grad(grpo, has_aux=True))(params)
+    assert "kl" not in aux  # nothing measured against a reference that was not scored
     assert float(aux["ratio"]) == float(jnp.sum(mask))  # every ratio is exactly 1
     assert float(aux["clip_fraction"]) == 0.0
     np.testing.assert_allclose(float(value), float(-jnp.sum(adv * mask) / jnp.sum(mask)), rtol=1e-6)

@@ -85,10 +85,14 @@ def dynamics_figure(plots_dir: Path, title: str, out_png: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(9, 5.5), dpi=100)
     for ax, (name, curves, ylabel) in zip(axes.flat, DYNAMICS, strict=True):
+        drawn = 0
         for tsv, style in curves:
             steps, values = read_curve(plots_dir / tsv)
             if steps:
                 ax.plot(steps, values, style, label=tsv.removesuffix(".tsv").split("/")[1])
+                drawn += 1
+        if not drawn:  # e.g. the KL with grpo.kl_coef 0, which scores no reference
+            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes)
         ax.set(xlabel="step", ylabel=ylabel, title=name)
         ax.grid(alpha=0.3)
         if len(curves) > 1:

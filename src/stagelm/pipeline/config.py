@@ -527,7 +527,8 @@ class GrpoConfig(OptimizerConfig):
         UNIT,
     )
     kl_coef: float = param(
-        "weight of the k3 KL to the reference on the rollouts' tokens; 0 = off",
+        "weight of the k3 KL to the reference on the rollouts' tokens; 0 = off (the reference does not score them, "
+        "and train/kl is not logged)",
         (lambda v: 0 <= v <= 1000, "a {type} in [0, 1000] (beyond, the KL term overflows the loss)"),
     )
     entropy_coef: float = param(

@@ -54,7 +54,8 @@ def grpo_loss(
     objective: str = "grpo",
     entropy_coef: float = 0.0,
 ) -> LossFn:
-    """The clipped-ratio loss with a KL penalty, over completion tokens; aux: kl, clip fraction, ratio.
+    """The clipped-ratio loss with a KL penalty, over completion tokens; aux: clip fraction, ratio
+    and, with `kl_coef` > 0, the k3 KL to the reference (the batch's `ref_logp`; absent when 0).
 
     The ratio is clipped to [1 − clip_eps, 1 + clip_eps_high] (DAPO's decoupled clip; the
     upper bound is clip_eps when `clip_eps_high` is None). With `objective` "rft" the policy
@@ -82,13 +83,17 @@ def grpo_loss(
         high = clip_eps if clip_eps_high is None else clip_eps_high
         clipped = jnp.clip(ratio, 1 - clip_eps, 1 + high)
         policy = -logp * adv if objective == "rft" else -jnp.minimum(ratio * adv, clipped * adv)
-        kl = k3(batch["ref_logp"][:, 1:], logp)
-        per_token = policy + kl_coef * kl
+        per_token = policy
+        if kl_coef:  # with no penalty the rollouts carry no reference log-probs (TRL's beta 0 alike)
+            kl = k3(batch["ref_logp"][:, 1:], logp)
+            per_token = policy + kl_coef * kl
         if entropy_coef:
             per_token -= entropy_coef * entropy(logits)
         was_clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).astype(jnp.float32)
         count = jnp.sum(mask)
-        aux = {"kl": jnp.sum(kl * mask), "clip_fraction": jnp.sum(was_clipped * mask), "ratio": jnp.sum(ratio * mask)}
+        aux = {"clip_fraction": jnp.sum(was_clipped * mask), "ratio": jnp.sum(ratio * mask)}
+        if kl_coef:
+            aux["kl"] = jnp.sum(kl * mask)
         total = jnp.sum(per_token * mask)
         if anchor_coef > 0:
             rows = {k.removeprefix("anchor_"): v for k, v in batch.items() if k.startswith("anchor_")}

@@ -142,8 +142,9 @@ class Rollouts:
             )
 
         self.ends_answer = answer_ends(gen.tokenizer)
-        # The reference: a copy of the starting policy (the train step donates the policy's buffers).
-        self.ref = jax.tree.map(jnp.copy, gen.params)
+        # The reference: a copy of the starting policy (the train step donates the policy's buffers),
+        # kept only for a loss that reads it: the KL penalty or the anchor.
+        self.ref = jax.tree.map(jnp.copy, gen.params) if cfg.kl_coef > 0 or cfg.anchor_coef > 0 else None
         self.rollout = 0  # rollouts drawn so far
         self.drawn = 0  # prompts drawn so far (their stream is seeded: see prompt_indices)
         self.sampled = 0  # prompts sampled so far: the drawn ones and the revisited ones
@@ -299,9 +300,12 @@ class Rollouts:
             "on_policy": np.ones(full_tokens.shape, np.float32),
         }
         args = (jnp.asarray(full_tokens), jnp.asarray(full_seg), jnp.asarray(full_pos))
-        batch["ref_logp"] = to_host(self._score(self.ref, *args))
+        if cfg.kl_coef > 0:  # only the KL penalty reads the reference's log-probs of the rollout
+            batch["ref_logp"] = to_host(self._score(self.ref, *args))
         batch["old_logp"] = (
-            to_host(self._score(policy, *args)) if cfg.updates_per_rollout > 1 else np.zeros_like(batch["ref_logp"])
+            to_host(self._score(policy, *args))
+            if cfg.updates_per_rollout > 1
+            else np.zeros(full_tokens.shape, np.float32)
         )
         return batch
 
