@@ -31,7 +31,7 @@ from stagelm.post.rollouts import (
     sample_weights,
     unsure_prompts,
 )
-from stagelm.tasks import step_credit
+from stagelm.tasks import one_line, step_credit
 from stagelm.tasks.arithmetic import arithmetic_task, working
 from stagelm.train.loop import train
 from stagelm.train.run import TrainRun
@@ -212,6 +212,11 @@ def test_rft_rollout_trains_the_correct_samples_only(micro_data, policy):
     cfg = grpo_section(objective="rft", prompts_per_step=2, group_size=4, anchor_coef=0.0, kl_coef=0.0)
     rollouts = Rollouts(cfg, gen, nnx.graphdef(model), rollout_sets(micro_data / "raw", cfg)[0], seed=0)
     groups = rollouts.sample_groups(gen.params, np.arange(2), jax.random.key(0))
+    stop = gen.stop_mask(chat=True, stop_at_newline=one_line(cfg.families))
+    for g in groups:  # tokens generated, through each row's stop: at least the ones that train
+        done = [gen.completion(row, stop) for row in g.rows]
+        assert g.sampled == [len(c.tokens) + (c.finish == "stop") for c in done]
+        assert all(n <= s for n, s in zip(g.lengths, g.sampled, strict=True))
     for g, correct in zip(groups, ([True, False, False, True], [False] * 4), strict=True):
         g.correct = correct  # say so: the micro policy answers no sum right
     batch = rollouts.layout(gen.params, groups)

@@ -109,6 +109,7 @@ class Group:
     formed: list[bool]
     lengths: list[int]  # tokens that train (graded_length)
     entropy: list[float]  # the sampling distribution's entropy summed over those tokens
+    sampled: list[int] = dataclasses.field(default_factory=list)  # tokens generated, through the stop token
 
     def teaches(self, cfg: GrpoConfig) -> bool:
         """Whether any of the group's samples weighs in the loss (`sample_weights`): for grpo, rewards
@@ -221,6 +222,7 @@ class Rollouts:
             group.correct.append(ok)
             group.formed.append(ok_form)
             group.lengths.append(length)
+            group.sampled.append(len(completion.tokens) + (completion.finish == "stop"))
             group.entropy.append(float(row_entropy[:length].sum()))
         return group
 
@@ -267,7 +269,7 @@ class Rollouts:
         metrics = rollout_metrics(drawn)
         metrics["rollout/samples_seen"] = float(self.sampled * cfg.group_size)  # completions generated so far
         metrics["rollout/prompts_revisited"] = float(len(revisited))
-        metrics["perf/rollout_tokens_per_sec"] = float(sum(sum(g.lengths) for g in drawn) / rollout_s)
+        metrics["perf/rollout_tokens_per_sec"] = float(sum(sum(g.sampled) for g in drawn) / rollout_s)
         if update_s is not None:
             metrics["perf/update_seconds"] = update_s
             tokens_per_sec = updated[0] * updated[1] * cfg.updates_per_rollout / update_s
