@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import ROOT, env_with_venv, micro_params, run, run_in_process, tree_bytes, write_params
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer
 from stagelm import cli
 from stagelm.interop.hf_export import EXPORT_FILES
 from stagelm.model.decoder import Decoder, DecoderConfig
-from stagelm.model.modeldir import save_model
+from stagelm.model.modeldir import load_model, save_model
 
 
 def stagelm(monkeypatch, capsys, *argv: str) -> str:
@@ -1091,6 +1092,53 @@ def test_import_gguf_refuses_a_tensor_offset_out_of_place(monkeypatch, capsys, m
         "the file is damaged\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_import_gguf_refuses_what_its_header_declares_beyond_the_file(monkeypatch, capsys, model_dir, tmp_path):
+    """An array whose declared length no file could hold (gguf's reader walks it item by item: a
+    length of 2**50 would run for days), and bytes after the last tensor (an 8 GiB file behind a
+    small model's header): each refused in one line, before anything is written."""
+    import gguf
+
+    good = tmp_path / "good.gguf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(good)])
+    cli.main()
+    long = tmp_path / "long.gguf"
+    shutil.copyfile(good, long)
+    reader = gguf.GGUFReader(str(long), "r+")
+    reader.fields["tokenizer.ggml.token_type"].parts[4][0] = 2**50  # the array's length, through the memory map
+    reader.data.flush()
+    del reader
+    err = stagelm(monkeypatch, capsys, "import-gguf", str(long), str(tmp_path / "out"))
+    assert err.startswith(f"error: {long}: metadata tokenizer.ggml.token_type declares 4,503,599,627,370,496 bytes")
+    assert err.endswith(" are left; the file is damaged\n") and err.count("\n") == 1
+    padded = tmp_path / "padded.gguf"
+    padded.write_bytes(good.read_bytes() + bytes(2**20))
+    err = stagelm(monkeypatch, capsys, "import-gguf", str(padded), str(tmp_path / "out"))
+    assert err == f"error: {padded}: 1,048,576 bytes follow the last tensor's data; the file is damaged\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_gguf_reads_a_file_aligned_to_64_bytes(monkeypatch, capsys, model_dir, tmp_path):
+    """general.alignment 64 (llama.cpp's writers may choose it): the tensors' padding follows it."""
+    from stagelm.interop.gguf_import import open_gguf
+
+    good = tmp_path / "good.gguf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(good)])
+    cli.main()
+    wide = rewritten_gguf(good, tmp_path / "wide.gguf", {"general.alignment": (64, gguf_type("UINT32"))}, {})
+    assert int(open_gguf(wide).alignment) == 64
+    monkeypatch.setattr(sys, "argv", ["stagelm", "import-gguf", str(wide), str(tmp_path / "out")])
+    cli.main()
+    original, imported = load_model(model_dir), load_model(tmp_path / "out")
+    for a, b in zip(jax.tree.leaves(nnx.state(original)), jax.tree.leaves(nnx.state(imported)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def gguf_type(name: str):
+    import gguf
+
+    return gguf.GGUFValueType[name]
 
 
 @pytest.mark.parametrize(("key", "bound"), [("norm_eps", "0.1"), ("rope_theta", "1e12"), ("init_std", "1")])

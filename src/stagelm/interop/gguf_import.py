@@ -10,7 +10,9 @@ sentencepiece vocabularies, are refused in one line.
 """
 
 import collections
+import mmap
 import numbers
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ def open_gguf(path: Path) -> Any:
 
     if not path.is_file():
         raise StagelmError(f"{path}: no such GGUF file; give the path of a GGUF model")
+    check_declared_sizes(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as err:  # its parser raises ValueError, struct errors and more on a damaged file
@@ -52,10 +55,68 @@ def open_gguf(path: Path) -> Any:
     return reader
 
 
+# GGUF's value types by their number: the fixed size of each scalar; 8 is a string, 9 an array.
+SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+
+def check_declared_sizes(path: Path) -> None:
+    """Refuse a GGUF whose metadata declares more than the file holds, before the gguf package reads
+    it: its reader walks a declared array item by item, so a length of 2**50 in a 3 MB file would run
+    for days. Walks the metadata (counts, string lengths, arrays) only; anything else it leaves to
+    the reader, which refuses it in its own words."""
+    with path.open("rb") as f:
+        if path.stat().st_size < 24 or f.read(4) != b"GGUF":
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            walk_metadata(data, path)
+
+
+def walk_metadata(data: Any, path: Path) -> None:
+    """check_declared_sizes over the file's bytes `data` (a buffer struct can read)."""
+    order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"  # as the reader tells byte order
+    at = 8  # after the magic and the version: the two counts, then the metadata
+
+    def take(n: int, what: str) -> int:
+        nonlocal at
+        if n > len(data) - at:
+            raise StagelmError(
+                f"{path}: {what} declares {n:,} bytes where {len(data) - at:,} are left; the file is damaged"
+            )
+        at += n
+        return at - n
+
+    def number(fmt: str, what: str) -> int:
+        return struct.unpack_from(order + fmt, data, take(struct.calcsize(fmt), what))[0]
+
+    def value(kind: int, what: str) -> None:
+        nonlocal at
+        if kind in SCALAR_BYTES:
+            take(SCALAR_BYTES[kind], what)
+        elif kind == GGUF_STRING:
+            take(number("Q", what), what)
+        elif kind == GGUF_ARRAY:
+            item, count = number("I", what), number("Q", what)
+            take(count * SCALAR_BYTES.get(item, 8), what)  # a string or an array item: 8 bytes or more
+            if item not in SCALAR_BYTES:
+                at -= count * 8  # back to the first item, now that they fit
+                for _ in range(count):
+                    value(item, what)
+
+    tensors, keys = number("Q", "the tensor count"), number("Q", "the metadata count")
+    take(keys * 12, f"a metadata count of {keys:,}")  # a key's length and its value's type at least
+    at -= keys * 12
+    for i in range(keys):
+        start = take(number("Q", f"metadata key {i}"), f"metadata key {i}")
+        key = bytes(data[start : min(at, start + 200)]).decode(errors="replace")
+        value(number("I", key), f"metadata {key}")
+    take(tensors * 24, f"a tensor count of {tensors:,}")  # a tensor's name length, dims, type and offset at least
+
+
 def check_tensor_layout(reader: Any, path: Path) -> None:
     """Refuse tensor data that does not lie where llama.cpp's loader expects it: each tensor at the
     offset where the one before it ends, padded to general.alignment (a moved offset would read every
-    weight shifted), all of it inside the file."""
+    weight shifted), all of it inside the file, and nothing after it."""
     expected = end = 0
     for t in reader.tensors:
         offset = int(t.data_offset) - int(reader.data_offset)
@@ -65,9 +126,12 @@ def check_tensor_layout(reader: Any, path: Path) -> None:
                 f"{expected:,}; the file is damaged"
             )
         end = offset + int(t.n_bytes)
-        expected = -(-end // reader.alignment) * reader.alignment
+        expected = -(-end // int(reader.alignment)) * int(reader.alignment)  # numpy's uint32 would overflow
     if int(reader.data_offset) + end > len(reader.data):
         raise StagelmError(f"{path}: the tensors run past the end of the file; it is truncated")
+    extra = len(reader.data) - int(reader.data_offset) - expected
+    if extra > int(reader.alignment):  # writers pad the last tensor to the alignment, and stop there
+        raise StagelmError(f"{path}: {extra:,} bytes follow the last tensor's data; the file is damaged")
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:
