@@ -734,6 +734,7 @@ GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
     ({"tokenizer.ggml.merges": (5, "UINT32")}, {}, "tokenizer.ggml.merges is '5', not a list"),
     ({"tokenizer.ggml.merges": None}, {}, "tokenizer.ggml.merges missing; a byte-level BPE needs them"),
     ({"llama.expert_count": (8, "UINT32")}, {}, "llama.expert_count is 8; stagelm imports dense Llama models only"),
+    ({"tokenizer.ggml.tokens": ([b"\xff\xfe"], "ARRAY", "STRING")}, {}, "tokens holds bytes that are not UTF-8 text"),
     ({"tokenizer.ggml.eos_token_id": (True, "BOOL")}, {}, "tokenizer.ggml.eos_token_id True is not a token id"),
     (
         {"llama.attention.layer_norm_rms_epsilon": (1e30, "FLOAT32")},
@@ -1117,6 +1118,17 @@ def test_import_gguf_refuses_what_its_header_declares_beyond_the_file(monkeypatc
     err = stagelm(monkeypatch, capsys, "import-gguf", str(padded), str(tmp_path / "out"))
     assert err == f"error: {padded}: 1,048,576 bytes follow the last tensor's data; the file is damaged\n"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["import-hf", "import-gguf", "export-hf", "export-gguf"])
+def test_an_empty_path_is_refused_not_taken_for_the_current_folder(monkeypatch, capsys, tmp_path, command):
+    monkeypatch.chdir(tmp_path)
+    err = stagelm(monkeypatch, capsys, command, "", str(tmp_path / "out"))
+    assert err == (
+        f"error: stagelm {command}: argument {'model_dir' if command.startswith('export') else 'source'}: "
+        f"an empty path; give a file or folder; see `stagelm {command} --help`\n"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_import_gguf_reads_a_file_aligned_to_64_bytes(monkeypatch, capsys, model_dir, tmp_path):

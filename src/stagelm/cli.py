@@ -48,6 +48,13 @@ from typing import Any
 from stagelm.infra.errors import OneLineParser, StagelmError, run_main
 
 
+def path_arg(text: str) -> Path:
+    """A path argument; an empty one is refused (Path("") would be the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder")
+    return Path(text)
+
+
 def check(args: argparse.Namespace) -> None:
     from stagelm.data.manifests import check_manifest_files
     from stagelm.infra.files import sha256_file
@@ -172,7 +179,7 @@ def generate(args: argparse.Namespace) -> None:
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a model directory")
-    p.add_argument("model_dir", type=Path)
+    p.add_argument("model_dir", type=path_arg)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -261,8 +268,8 @@ def add_export_hf(sub: argparse._SubParsersAction) -> None:
         print(f"export-hf: {args.model_dir} → {out} (LlamaForCausalLM; model.safetensors, tokenizer, chat template)")
 
     p = sub.add_parser("export-hf", help="write a model directory as a transformers Llama checkpoint")
-    p.add_argument("model_dir", type=Path)
-    p.add_argument("out_dir", type=Path)
+    p.add_argument("model_dir", type=path_arg)
+    p.add_argument("out_dir", type=path_arg)
     p.set_defaults(func=export_hf)
 
 
@@ -279,8 +286,8 @@ def add_export_gguf(sub: argparse._SubParsersAction) -> None:
         print(f"export-gguf: {args.model_dir} → {out} (llama, {args.dtype} matrices; tokenizer and chat template)")
 
     p = sub.add_parser("export-gguf", help="write a model directory as a llama GGUF file for llama.cpp")
-    p.add_argument("model_dir", type=Path)
-    p.add_argument("out_file", type=Path)
+    p.add_argument("model_dir", type=path_arg)
+    p.add_argument("out_file", type=path_arg)
     p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16, q8_0 or q4_0 (the matrices)")
     p.add_argument("--force", action="store_true", help="replace out_file if it exists")
     p.set_defaults(func=export_gguf)
@@ -298,8 +305,8 @@ def add_imports(sub: argparse._SubParsersAction) -> None:
 
     for name, what in (("import-hf", "a transformers Llama folder (or a GGUF file)"), ("import-gguf", "a GGUF file")):
         p = sub.add_parser(name, help=f"read {what} into a model directory, with its tokenizer and chat template")
-        p.add_argument("source", type=Path)
-        p.add_argument("out_dir", type=Path)
+        p.add_argument("source", type=path_arg)
+        p.add_argument("out_dir", type=path_arg)
         p.set_defaults(func=import_checkpoint)
 
 
@@ -322,7 +329,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
-    p.add_argument("model_dir", type=Path)
+    p.add_argument("model_dir", type=path_arg)
     p.add_argument("--host", default="127.0.0.1", help="loopback unless told otherwise")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=int, default=16, help="requests decoded together")

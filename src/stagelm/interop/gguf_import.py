@@ -137,7 +137,11 @@ def check_tensor_layout(reader: Any, path: Path) -> None:
 def field(reader: Any, key: str, default: Any = None) -> Any:
     """Metadata `key` of a GGUF (a string, a number or a list), or `default` when absent."""
     found = reader.fields.get(key)
-    return default if found is None else found.contents()
+    try:
+        return default if found is None else found.contents()
+    except UnicodeDecodeError as err:  # a string (or a list's item) that is not UTF-8: llama.cpp refuses it too
+        where = getattr(reader.data, "filename", None) or "the GGUF file"
+        raise StagelmError(f"{where}: {key} holds bytes that are not UTF-8 text; the file is damaged") from None
 
 
 def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
