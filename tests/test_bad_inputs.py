@@ -36,6 +36,19 @@ def stagelm(monkeypatch, capsys, *argv: str) -> str:
     return err
 
 
+@pytest.mark.parametrize("markdown", [[], ["--markdown"]])
+def test_params_shows_a_file_only_once_its_values_pass_check(monkeypatch, capsys, tmp_path, markdown):
+    """`stagelm params --params` prints the file's values as each key's default: a value no stage
+    would take (an unknown key, a word where a width goes) is refused as `stagelm check` refuses it."""
+    path = tmp_path / "params.yaml"
+    path.write_text((ROOT / "params.yaml").read_text().replace("  d_model: 128", "  d_modle: 128", 1))
+    err = stagelm(monkeypatch, capsys, "params", "--params", str(path), *markdown)
+    assert err.startswith("error: model.d_modle: unknown key (did you mean 'd_model'?)")
+    path.write_text((ROOT / "params.yaml").read_text().replace("  d_model: 128", "  d_model: big", 1))
+    err = stagelm(monkeypatch, capsys, "params", "--params", str(path), *markdown)
+    assert err == "error: model.d_model: expected a positive int, got 'big'\n"
+
+
 @pytest.mark.parametrize("count", ["0", "-5"])
 def test_generate_needs_a_positive_token_count(monkeypatch, capsys, tmp_path, count):
     err = stagelm(monkeypatch, capsys, "generate", str(tmp_path), "--prompt", "x", "--max-new-tokens", count)
@@ -500,11 +513,12 @@ def test_eval_answers_stop_at_twice_the_trained_context(capsys, micro_data, pret
     ("flags", "message"),
     [
         (["--seed", "99999999999999999999999"], "--seed: expected an int in [0, 2**32), got 99999999999999999999999"),
-        (["--temperature", "inf"], "temperature: expected a finite value >= 0, got inf"),
-        (["--temperature", "1e308"], "temperature: expected a finite value >= 0, got 1e+308"),  # inf in float32
+        (["--temperature", "inf"], "--temperature: expected a finite value >= 0, got inf"),
+        (["--temperature", "1e308"], "--temperature: expected a finite value >= 0, got 1e+308"),  # inf in float32
+        (["--temperature", "nan"], "--temperature: expected a finite value >= 0, got nan"),
         (
             ["--top-k", "99999999999999999999"],
-            "top_k: expected >= 0 (0 = off) and below 2**31, got 99999999999999999999",
+            "--top-k: expected >= 0 (0 = off) and below 2**31, got 99999999999999999999",
         ),
         (["--prompt", "caf\udcff"], "--prompt: not UTF-8 text; pass the prompt as UTF-8"),
     ],
@@ -736,6 +750,8 @@ GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
     ({"llama.expert_count": (8, "UINT32")}, {}, "llama.expert_count is 8; stagelm imports dense Llama models only"),
     ({"tokenizer.ggml.tokens": ([b"\xff\xfe"], "ARRAY", "STRING")}, {}, "tokens holds bytes that are not UTF-8 text"),
     ({"tokenizer.ggml.eos_token_id": (True, "BOOL")}, {}, "tokenizer.ggml.eos_token_id True is not a token id"),
+    ({"tokenizer.ggml.eos_token_id": ("2", "STRING")}, {}, "tokenizer.ggml.eos_token_id '2' is not a token id"),
+    ({"llama.attention.head_count": (3, "UINT32")}, {}, "llama.attention.head_count 3 and head_count_kv"),
     (
         {"llama.attention.layer_norm_rms_epsilon": (1e30, "FLOAT32")},
         {},
@@ -1113,8 +1129,20 @@ def test_import_gguf_refuses_what_its_header_declares_beyond_the_file(monkeypatc
     err = stagelm(monkeypatch, capsys, "import-gguf", str(long), str(tmp_path / "out"))
     assert err.startswith(f"error: {long}: metadata tokenizer.ggml.token_type declares 4,503,599,627,370,496 bytes")
     assert err.endswith(" are left; the file is damaged\n") and err.count("\n") == 1
+    whole = good.read_bytes()
+    cut = tmp_path / "cut.gguf"  # cut anywhere: in the header, the metadata, the tensor infos or the data
+    for size, words in [
+        (4, "4 bytes, its GGUF header cut short"),
+        (20, "the metadata count declares 8 bytes where 4 are left"),
+        (200, "declares"),
+        (len(whole) // 2, "bytes of data from byte"),
+        (len(whole) - 1, f"run past the end of the file at {len(whole) - 1:,}"),
+    ]:
+        cut.write_bytes(whole[:size])
+        err = stagelm(monkeypatch, capsys, "import-gguf", str(cut), str(tmp_path / "out"))
+        assert err.startswith(f"error: {cut}: ") and words in err and err.endswith("; it is truncated\n"), err
     padded = tmp_path / "padded.gguf"
-    padded.write_bytes(good.read_bytes() + bytes(2**20))
+    padded.write_bytes(whole + bytes(2**20))
     err = stagelm(monkeypatch, capsys, "import-gguf", str(padded), str(tmp_path / "out"))
     assert err == f"error: {padded}: 1,048,576 bytes follow the last tensor's data; the file is damaged\n"
     assert not (tmp_path / "out").exists()

@@ -167,7 +167,11 @@ def generate(args: argparse.Namespace) -> None:
         args.prompt.encode()
     except UnicodeEncodeError:  # bytes the terminal's locale could not decode reach Python as surrogates
         raise StagelmError("--prompt: not UTF-8 text; pass the prompt as UTF-8") from None
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)  # validates before the model loads
+    try:  # validates before the model loads
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    except StagelmError as err:  # named as the flag: `top_p: ...` → `--top-p: ...`
+        key, rest = str(err).split(":", 1)
+        raise StagelmError(f"--{key.replace('_', '-')}:{rest}") from None
     gen = load_generator(args.model_dir)
     ids = gen.chat.user_prompt(args.prompt) if args.chat else gen.chat.text(args.prompt)
     tokens = gen.stream(ids, args.max_new_tokens, sampling, jax.random.key(args.seed), chat=args.chat)

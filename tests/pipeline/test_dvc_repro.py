@@ -156,7 +156,7 @@ def test_generate_cli_streams_from_a_stage_model(project):
     (expected,) = gen.generate([gen.tokenizer.encode("Once upon a time,").ids], 8)
     assert out.stdout == expected.text + "\n"
     bad = run(["stagelm", "generate", "runs/pretrain/model", "--prompt", "x", "--top-p", "2"], project, check=False)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: top_p: expected a value in (0, 1], got 2.0"
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --top-p: expected a value in (0, 1], got 2.0"
 
 
 def test_params_change_reruns_only_downstream(project):

@@ -10,6 +10,7 @@ sentencepiece vocabularies, are refused in one line.
 """
 
 import collections
+import math
 import mmap
 import numbers
 import struct
@@ -61,56 +62,86 @@ GGUF_STRING, GGUF_ARRAY = 8, 9
 
 
 def check_declared_sizes(path: Path) -> None:
-    """Refuse a GGUF whose metadata declares more than the file holds, before the gguf package reads
-    it: its reader walks a declared array item by item, so a length of 2**50 in a 3 MB file would run
-    for days. Walks the metadata (counts, string lengths, arrays) only; anything else it leaves to
+    """Refuse a GGUF whose header declares more than the file holds, before the gguf package reads
+    it: its reader walks a declared array item by item (a length of 2**50 in a 3 MB file would run
+    for days) and answers a truncated file with numpy's words. Walks the counts, strings, arrays and
+    tensor infos, and checks every tensor's data lies inside the file; anything else it leaves to
     the reader, which refuses it in its own words."""
     with path.open("rb") as f:
-        if path.stat().st_size < 24 or f.read(4) != b"GGUF":
+        if f.read(4) != b"GGUF":
             return
+        if path.stat().st_size < 8:
+            raise StagelmError(f"{path}: {path.stat().st_size} bytes, its GGUF header cut short; it is truncated")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            walk_metadata(data, path)
+            HeaderWalk(data, path).walk()
 
 
-def walk_metadata(data: Any, path: Path) -> None:
-    """check_declared_sizes over the file's bytes `data` (a buffer struct can read)."""
-    order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"  # as the reader tells byte order
-    at = 8  # after the magic and the version: the two counts, then the metadata
+class HeaderWalk:
+    """`check_declared_sizes` over the file's bytes `data` (a buffer struct can read)."""
 
-    def take(n: int, what: str) -> int:
-        nonlocal at
-        if n > len(data) - at:
-            raise StagelmError(
-                f"{path}: {what} declares {n:,} bytes where {len(data) - at:,} are left; the file is damaged"
-            )
-        at += n
-        return at - n
+    def __init__(self, data: Any, path: Path):
+        self.data, self.path, self.at = data, path, 8  # after the magic and the version
+        self.order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"  # as the reader tells it
 
-    def number(fmt: str, what: str) -> int:
-        return struct.unpack_from(order + fmt, data, take(struct.calcsize(fmt), what))[0]
+    def take(self, n: int, what: str) -> int:
+        """Step over `n` bytes of `what`; where they start."""
+        left = len(self.data) - self.at
+        if n > left:
+            end = "it is truncated" if n < 2**40 else "the file is damaged"
+            raise StagelmError(f"{self.path}: {what} declares {n:,} bytes where {left:,} are left; {end}")
+        self.at += n
+        return self.at - n
 
-    def value(kind: int, what: str) -> None:
-        nonlocal at
+    def number(self, fmt: str, what: str) -> int:
+        return struct.unpack_from(self.order + fmt, self.data, self.take(struct.calcsize(fmt), what))[0]
+
+    def value(self, kind: int, what: str) -> None:
         if kind in SCALAR_BYTES:
-            take(SCALAR_BYTES[kind], what)
+            self.take(SCALAR_BYTES[kind], what)
         elif kind == GGUF_STRING:
-            take(number("Q", what), what)
+            self.take(self.number("Q", what), what)
         elif kind == GGUF_ARRAY:
-            item, count = number("I", what), number("Q", what)
-            take(count * SCALAR_BYTES.get(item, 8), what)  # a string or an array item: 8 bytes or more
+            item, count = self.number("I", what), self.number("Q", what)
+            first = self.take(count * SCALAR_BYTES.get(item, 8), what)  # a string or array item: 8 bytes or more
             if item not in SCALAR_BYTES:
-                at -= count * 8  # back to the first item, now that they fit
+                self.at = first  # they fit: walk them
                 for _ in range(count):
-                    value(item, what)
+                    self.value(item, what)
 
-    tensors, keys = number("Q", "the tensor count"), number("Q", "the metadata count")
-    take(keys * 12, f"a metadata count of {keys:,}")  # a key's length and its value's type at least
-    at -= keys * 12
-    for i in range(keys):
-        start = take(number("Q", f"metadata key {i}"), f"metadata key {i}")
-        key = bytes(data[start : min(at, start + 200)]).decode(errors="replace")
-        value(number("I", key), f"metadata {key}")
-    take(tensors * 24, f"a tensor count of {tensors:,}")  # a tensor's name length, dims, type and offset at least
+    def walk(self) -> None:
+        tensors, keys = self.number("Q", "the tensor count"), self.number("Q", "the metadata count")
+        self.at = self.take(keys * 12, f"a metadata count of {keys:,}")  # a key's length and type at least
+        alignment = 32
+        for i in range(keys):
+            start = self.take(self.number("Q", f"metadata key {i}"), f"metadata key {i}")
+            key = bytes(self.data[start : min(self.at, start + 200)]).decode(errors="replace")
+            kind = self.number("I", key)
+            if key == "general.alignment" and kind == 4:  # a UINT32, as the reader requires
+                alignment = self.number("I", key) or 32
+            else:
+                self.value(kind, f"metadata {key}")
+        self.at = self.take(tensors * 24, f"a tensor count of {tensors:,}")  # name, dims, type, offset at least
+        infos = [self.tensor_info(i) for i in range(tensors)]
+        data_start = -(-self.at // alignment) * alignment
+        for name, offset, size in infos:
+            if data_start + offset + size > len(self.data):
+                raise StagelmError(
+                    f"{self.path}: tensor {name}'s {size:,} bytes of data from byte {data_start + offset:,} run past "
+                    f"the end of the file at {len(self.data):,}; it is truncated"
+                )
+
+    def tensor_info(self, i: int) -> tuple[str, int, int]:
+        """(name, data offset, bytes) of the next tensor info; 0 bytes for a type it does not know."""
+        from gguf import GGML_QUANT_SIZES
+
+        start = self.take(self.number("Q", f"tensor {i}'s name"), f"tensor {i}'s name")
+        name = bytes(self.data[start : min(self.at, start + 200)]).decode(errors="replace")
+        dims = self.number("I", f"tensor {name}")
+        self.take(min(dims, 2**32) * 8, f"tensor {name}'s {dims:,} dimensions")
+        count = math.prod(struct.unpack_from(f"{self.order}{dims}Q", self.data, self.at - dims * 8))
+        kind, offset = self.number("I", f"tensor {name}"), self.number("Q", f"tensor {name}")
+        block, size = GGML_QUANT_SIZES.get(kind, (1, 0)) if kind < 2**16 else (1, 0)
+        return name, offset, count // block * size
 
 
 def check_tensor_layout(reader: Any, path: Path) -> None:
@@ -139,7 +170,7 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
     found = reader.fields.get(key)
     try:
         return default if found is None else found.contents()
-    except UnicodeDecodeError as err:  # a string (or a list's item) that is not UTF-8: llama.cpp refuses it too
+    except UnicodeDecodeError:  # a string (or a list's item) that is not UTF-8: llama.cpp refuses it too
         where = getattr(reader.data, "filename", None) or "the GGUF file"
         raise StagelmError(f"{where}: {key} holds bytes that are not UTF-8 text; the file is damaged") from None
 
@@ -159,7 +190,10 @@ def gguf_config(reader: Any, path: Path) -> tuple[DecoderConfig, int]:
     d, heads = size("embedding_length", "hidden_size"), size("attention.head_count", "num_attention_heads")
     kv = size("attention.head_count_kv", "num_key_value_heads", heads)
     if d % heads or heads % kv or (d // heads) % 2:
-        raise StagelmError(f"{path}: {heads} heads and {kv} kv heads do not fit an embedding of {d}")
+        raise StagelmError(
+            f"{path}: llama.attention.head_count {heads} and head_count_kv {kv} do not fit llama.embedding_length "
+            f"{d} (the heads must divide it into even head sizes, the kv heads the heads); the file is damaged"
+        )
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         if field(reader, f"llama.{key}") not in (None, d // heads):
             raise StagelmError(f"{path}: llama.{key} {field(reader, f'llama.{key}')} is not the head size {d // heads}")
@@ -323,7 +357,7 @@ def gguf_chat_spec(reader: Any, tok: Any, path: Path) -> dict[str, Any]:
             return None
         if not isinstance(index, numbers.Integral) or isinstance(index, bool) or not 0 <= index < tok.get_vocab_size():
             raise StagelmError(
-                f"{path}: tokenizer.ggml.{key} {str(index)[:40]} is not a token id (0 to {tok.get_vocab_size() - 1})"
+                f"{path}: tokenizer.ggml.{key} {repr(index)[:40]} is not a token id (0 to {tok.get_vocab_size() - 1})"
             )
         return tok.id_to_token(int(index))
 

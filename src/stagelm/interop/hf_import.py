@@ -295,7 +295,7 @@ def hf_chat_spec(hf_dir: Path, tok: Any) -> dict[str, Any]:
         for i in ids:
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab:
                 raise StagelmError(
-                    f"{where}: {key}_token_id {str(i)[:40]} is not a token id of its tokenizer (0 to {vocab - 1})"
+                    f"{where}: {key}_token_id {repr(i)[:40]} is not a token id of its tokenizer (0 to {vocab - 1})"
                 )
         return ids
 

@@ -240,12 +240,18 @@ class OptimizerConfig:
     # The key that sets how many rows a micro-batch holds, named when the rows do not fit the mesh.
     batch_key: ClassVar[str]
 
-    lr: float = param("AdamW's peak learning rate", POSITIVE)
+    lr: float = param(
+        "AdamW's peak learning rate",
+        (lambda v: 0 < v <= 10, "a positive {type} of at most 10 (the update of one step would swamp any weight)"),
+    )
     min_lr_ratio: float = param("final learning rate of cosine and wsd, as a fraction of lr", UNIT)
     schedule: str = param("learning-rate schedule after the warmup", one_of("constant", "cosine", "wsd"))
     warmup_steps: int = param("linear warmup steps; must be below steps", NON_NEGATIVE)
     decay_fraction: float = param("wsd only: share of the steps spent decaying", UNIT)
-    weight_decay: float = param("AdamW's decoupled weight decay (never on norms)", NON_NEGATIVE)
+    weight_decay: float = param(
+        "AdamW's decoupled weight decay (never on norms)",
+        (lambda v: 0 <= v <= 100, "a non-negative {type} of at most 100 (lr × it past 1 flips every weight's sign)"),
+    )
     decay_embeddings: bool = param("apply weight decay to the embeddings too")
     beta1: float = param("Adam's first-moment decay", DECAY)
     beta2: float = param("Adam's second-moment decay", DECAY)

@@ -12,7 +12,7 @@ from typing import Any
 
 from stagelm.infra.errors import StagelmError
 from stagelm.pipeline.config import EXECUTION_KEYS, EXECUTION_SECTIONS, SECTIONS, SEED, SEED_DOC
-from stagelm.pipeline.params import read_params
+from stagelm.pipeline.params import read_params, validate_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +137,17 @@ def row(key: Key) -> str:
     return f"| `{key.name}` | {key.type} | {default} | {cell(key.allowed)} | {cell(key.doc)}{setting} |"
 
 
+def valid_params(params_path: str | Path) -> dict:
+    """params.yaml as read, once `stagelm check`'s checks of every key pass: a value shown as a
+    key's default is one the stages would take."""
+    params = read_params(params_path)
+    validate_params(params)
+    return params
+
+
 def markdown(params_path: str | Path) -> str:
     """docs/params.md as `stagelm params --markdown` prints it."""
-    sections = all_keys(read_params(params_path))
+    sections = all_keys(valid_params(params_path))
     parts = [INTRO]
     for name, keys in sections.items():
         about = "" if name == "seed" else cell(section_doc(SECTIONS[name])) + "\n\n"
@@ -149,7 +157,7 @@ def markdown(params_path: str | Path) -> str:
 
 def plain(params_path: str | Path) -> str:
     """`key: default  # meaning`, a line a key, for a terminal."""
-    keys = [k for keys in all_keys(read_params(params_path)).values() for k in keys if not k.nested]
+    keys = [k for keys in all_keys(valid_params(params_path)).values() for k in keys if not k.nested]
     lines = [f"{k.name}: {shown(k.default)}" for k in keys]
     width = min(max(map(len, lines)), 44)
     return "".join(f"{line:<{width}}  # {k.doc}\n" for line, k in zip(lines, keys, strict=True))
