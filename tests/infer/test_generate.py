@@ -200,6 +200,21 @@ def test_the_slot_major_cache_gives_the_same_tokens(gen, monkeypatch):
     assert list(slots.stream(prompts[0], 8)) == heads[0][:8]
 
 
+def test_the_decode_kernel_gives_the_same_tokens(gen):
+    """A TPU's decode kernel (`model.decode_attention`, reading only the filled slots), run here
+    interpreted under `model.attention: splash`: the reference's greedy tokens, batched with rows of
+    different lengths, alone and streamed."""
+    import dataclasses
+
+    prompts = [ids(gen, p) for p in PROMPTS]
+    heads = [c.tokens for c in gen.generate(prompts, 16, batch=4)]
+    cfg = dataclasses.replace(gen.model.cfg, attention="splash")
+    kernel = Generator(nnx.merge(nnx.graphdef(Decoder(cfg, nnx.Rngs(0))), gen.params), gen.tokenizer, gen.capacity)
+    assert [c.tokens for c in kernel.generate(prompts, 16, batch=4)] == heads
+    assert kernel.generate([prompts[2]], 16)[0].tokens == heads[2]
+    assert list(kernel.stream(prompts[0], 8)) == heads[0][:8]
+
+
 def test_the_decode_loop_carries_each_projection_as_its_matrix(gen):
     """`as_matrices`: each projection's weight as the (fan-in, fan-out) matrix its matmul reads, and back."""
     matrices, stored = as_matrices(gen.graphdef, gen.params)

@@ -183,7 +183,8 @@ class Generator:
     def _step_fn(self, params: Any, cache: Any, token: jax.Array, pos: jax.Array, index: jax.Array) -> tuple:
         model = nnx.merge(self.graphdef, params)
         ones = jnp.ones_like(token)[:, None]
-        logits, cache = model.cached(token[:, None], ones, pos[:, None], cache, index)
+        # The cache fills its slots in order: after this step's, the slots from index + 1 on are empty.
+        logits, cache = model.cached(token[:, None], ones, pos[:, None], cache, index, filled=index + 1)
         return logits[:, 0], cache
 
     def _loop_fn(

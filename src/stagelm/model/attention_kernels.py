@@ -9,8 +9,10 @@ and an explicit kernel the device lacks is an error, never a quiet switch. Splas
 rise with the index inside each document, so "same segment and not to the right" is
 exactly the reference's segment-causal mask. Off a TPU the same kernel runs in Pallas's
 interpret mode, which is how the test suite checks it against the reference on a CPU.
-Generation (the KV cache) always uses the reference: one query row per step has no
-blocks to skip.
+A generation's decode steps (one query token per row over the KV cache) follow the same
+choice (`decode_kernel_for`): `auto` takes the decode kernel (`stagelm.model.decode_attention`,
+which reads only the cache's filled slots) on a TPU and the reference elsewhere, `splash` (the
+Pallas kernels) takes it everywhere, interpreted off a TPU, and `reference` never.
 """
 
 import functools
@@ -33,6 +35,12 @@ def kernel_for(choice: str, seq_len: int, backend: str | None = None) -> str:
     if choice == "auto":
         return "splash" if backend == "tpu" and seq_len % BLOCK == 0 else "reference"
     return choice
+
+
+def decode_kernel_for(choice: str, backend: str | None = None) -> str:
+    """The kernel a decode step runs under `model.attention: choice` on `backend`: `decode` (Pallas) or `reference`."""
+    backend = backend or jax.default_backend()
+    return "decode" if choice == "splash" or (choice == "auto" and backend == "tpu") else "reference"
 
 
 def require_kernel(choice: str, seq_len: int, key: str = "model.attention") -> None:

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stagelm.infra.mesh import constrain
-from stagelm.model.attention_kernels import BLOCK, Tuning, kernel_for, splash_attention
+from stagelm.model.attention_kernels import BLOCK, Tuning, decode_kernel_for, kernel_for, splash_attention
+from stagelm.model.decode_attention import decode_attention
 from stagelm.model.kvcache import KVCache, LayerCache, pinned, slot_major_attention
 from stagelm.pipeline.config import ModelShape
 
@@ -281,11 +282,22 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, rot)
         return self.o(self.over_rows(q, k, v, mask)), layer.written(k, v, jnp.int32(0))
 
-    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: LayerCache, index: jax.Array):
-        """Attend over the cache after writing this call's k/v at slots [index, index + T)."""
+    def cached(
+        self,
+        x: jax.Array,
+        rot: Rotary,
+        mask: jax.Array,
+        layer: LayerCache,
+        index: jax.Array,
+        filled: jax.Array | None = None,
+    ):
+        """Attend over the cache after writing this call's k/v at slots [index, index + T); `filled`:
+        `Decoder.cached`'s."""
         q, k, v = self.project_qkv(x, rot)
         layer = layer.written(k, v, index)
         k, v = pinned(layer.k).astype(x.dtype), pinned(layer.v).astype(x.dtype)
+        if filled is not None and q.shape[1] == 1 and k.ndim == 3 and decode_kernel_for(self.cfg.attention) == "decode":
+            return self.o(decode_attention(q, k, v, mask, filled)), layer
         read = heads_major_attention if k.ndim == 4 else slot_major_attention  # the cache's layout (kvcache)
         return self.o(read(q, k, v, mask)), layer
 
@@ -321,8 +333,16 @@ class Block(nnx.Module):
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps), mlp_rng)
         return constrain(x, ("batch", "seq", "embed_act"))
 
-    def cached(self, x: jax.Array, rot: Rotary, mask: jax.Array, layer: LayerCache, index: jax.Array):
-        y, layer = self.attn.cached(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, layer, index)
+    def cached(
+        self,
+        x: jax.Array,
+        rot: Rotary,
+        mask: jax.Array,
+        layer: LayerCache,
+        index: jax.Array,
+        filled: jax.Array | None = None,
+    ):
+        y, layer = self.attn.cached(rms_norm(x, self.attn_norm[...], self.eps), rot, mask, layer, index, filled)
         x = x + y
         return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), layer
 
@@ -388,13 +408,22 @@ class Decoder(nnx.Module):
         return self.logits(self.hidden(tokens, segment_ids, positions, rng))
 
     def cached(
-        self, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, cache: KVCache, index: jax.Array
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        index: jax.Array,
+        filled: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """(logits (B, T, V), cache) for tokens written at cache slots [index, index + T).
 
         The cache remembers each slot's segment and position, so the same
         segment-aware causal mask as training applies: rows may be left-padded
-        (segment 0) and carry their own positions.
+        (segment 0) and carry their own positions. `filled`, where the caller knows it (a
+        generation fills its slots in order, `infer.generate`): every slot from it on is empty,
+        and a decode step that runs the decode kernel (`attention_kernels.decode_kernel_for`)
+        reads only the slots before it.
         """
         seg, pos = cache.slots_written(segment_ids, positions, index)
         mask = segment_causal_mask(segment_ids, seg, positions, pos)
@@ -402,7 +431,7 @@ class Decoder(nnx.Module):
         rot = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta)
         layers = []
         for block, layer in zip(self.blocks, cache.layers, strict=True):
-            x, layer = block.cached(x, rot, mask, layer, index)
+            x, layer = block.cached(x, rot, mask, layer, index, filled)
             layers.append(layer)
         h = rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
         return self.logits(h), KVCache(tuple(layers), seg, pos)

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from stagelm.model.attention_kernels import decode_kernel_for
+
 
 def pinned(x: jax.Array) -> jax.Array:
     """`x` held in its row-major layout (the last axis minor-most) wherever XLA would choose another.
@@ -84,8 +86,9 @@ class KVCache(NamedTuple):
 
 def init_cache(cfg: Any, batch: int, capacity: int, layout: str | None = None) -> KVCache:
     """An empty cache of `capacity` slots per row for a decoder config (`decoder.DecoderConfig`),
-    in `layout` (`heads` or `slots`; default: `default_layout`)."""
-    layout = layout or default_layout()
+    in `layout` (`heads` or `slots`; default: `default_layout`, or `slots` wherever the config's
+    decode steps run the decode kernel, which reads that layout)."""
+    layout = layout or ("slots" if decode_kernel_for(cfg.attention) == "decode" else default_layout())
     k, dh = cfg.n_kv_heads, cfg.head_dim
     shape = (batch, k, capacity, dh) if layout == "heads" else (batch, capacity, k * dh)
     layer = LayerCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
