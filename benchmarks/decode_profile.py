@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from stagelm.infra.devices import hbm_bandwidth  # noqa: E402
 from stagelm.measure.microbench import device_time_by_op  # noqa: E402
 from stagelm.measure.timing import timed  # noqa: E402
+from stagelm.model import decode_attention  # noqa: E402
+from stagelm.model.attention_kernels import decode_kernel_for  # noqa: E402
 from stagelm.model.decoder import DecoderConfig  # noqa: E402
 from stagelm.model.footprint import dtype_bytes, param_count  # noqa: E402
 
@@ -132,7 +134,10 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--profile", type=int, nargs="*", default=[64], help="batches to profile")
     parser.add_argument("--note", default="", help="what was run, kept in the output")
+    parser.add_argument("--blocks", default="", help="the decode kernel's rows x slots a grid step (default: its own)")
     args = parser.parse_args()
+    if args.blocks:
+        decode_attention.ROW_BLOCK, decode_attention.SLOT_BLOCK = map(int, args.blocks.split("x"))
     cfg = DecoderConfig(**SHAPE, dtype="bfloat16", param_dtype="bfloat16")
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     gen = Generator(Decoder(cfg, nnx.Rngs(0)), Tokenizer(models.WordLevel(vocab, "t0")), args.prompt + args.new)
@@ -142,6 +147,8 @@ def main() -> None:
         "jax": jax.__version__,
         "hbm_bandwidth": hbm_bandwidth(),
         "note": args.note,
+        "decode_kernel": decode_kernel_for(cfg.attention),  # attention_kernels: `decode` (Pallas) or `reference`
+        "decode_kernel_blocks": f"{decode_attention.ROW_BLOCK}x{decode_attention.SLOT_BLOCK}",
         "decode": [],
     }
     t0 = time.perf_counter()

@@ -11,11 +11,20 @@ TPU"). This kernel walks the slots in blocks, flash-decoding style (an online so
 blocks, Dao et al. 2022), and the blocks past the filled ones are neither fetched (their block
 index repeats the last filled one's, which Pallas does not fetch again) nor computed.
 
-Each grid step takes a block of rows and a block of slots. The matmuls are those of
-`slot_major_attention`: each query head's q sits in its k/v head's block of the K·Dh width
-(zeros in the others), so q·kᵀ and weights·v are one plain matmul per row over the slots as
-they lie, and each head keeps its own block of the output afterwards. The mask enters as an
-additive bias, as in the reference; scores and softmax in float32.
+Each grid step takes a block of R rows and a block of slots, and flattens the rows into one
+matmul each way (`_kernel`). The matmuls are those of `slot_major_attention`: each query head's
+q sits in its k/v head's block of the K·Dh width (zeros in the others), so q·kᵀ and weights·v
+are plain matmuls over the slots as they lie, and each head keeps its own block of the output
+afterwards. The mask enters as an additive bias, as in the reference; scores and softmax in
+float32.
+
+The blocks were measured on a v5e (benchmarks/decode_kernel.py: 30 layers of attention at the
+SmolLM2-135M shape, 256 slots of which 192 filled; benchmarks/README.md): grid steps cost more
+than the slots they skip. At a batch of 256, 8 rows by 256 slots took 2.8 ms against XLA's 3.9;
+8 rows by 64 or 128 slots (skipping the fourth block of 64) 4.0 and 3.7; 16 rows by 256, 3.4
+(each slot's scores are computed for all R rows' heads, so R costs vector work). So the defaults
+read whole 256-slot blocks: at a cache of 256 slots every slot is read, and the skipping of
+empty blocks pays only in larger caches.
 """
 
 import functools
@@ -25,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-SLOT_BLOCK = 64  # slots a grid step reads: the granularity of "only the filled slots"
+SLOT_BLOCK = 256  # slots a grid step reads: the granularity of "only the filled slots"
 ROW_BLOCK = 8  # rows a grid step reads at most (a divisor of the batch)
 LANES = 128  # the softmax's running max and sum are kept lane-wide, as Pallas's TPU kernels keep them
 MASKED = -1e30  # the reference's bias for a masked slot (kvcache.slot_major_attention)
@@ -118,18 +127,21 @@ def decode_attention(
     v: jax.Array,
     mask: jax.Array,
     filled: jax.Array,
-    slot_block: int = SLOT_BLOCK,
-    rows: int = ROW_BLOCK,
+    slot_block: int | None = None,
+    rows: int | None = None,
 ) -> jax.Array:
     """`kvcache.slot_major_attention(q, k, v, mask)` for one query token per row, reading only slots
     [0, filled). q: (B, 1, H, Dh); k, v: (B, S, K·Dh); mask: (B, 1, 1, S) bool, no slot at or past
-    `filled` visible → (B, 1, H, Dh). Slots are read in blocks of `slot_block`, or of 32 or 16 where
-    S is no multiple of it (else one block of S), rows in blocks of a divisor of B up to `rows`."""
+    `filled` visible → (B, 1, H, Dh). Slots are read in blocks of `slot_block` (one block where S is
+    no larger), or of the largest of 128, 64, 32 or 16 that divides S where it does not (else one
+    block of S); rows in blocks of a divisor of B up to `rows` (default: SLOT_BLOCK and ROW_BLOCK,
+    read at the call: benchmarks/decode_profile.py --blocks)."""
     b, t, h, dh = q.shape
     s, e = k.shape[1:]
     kh = e // dh
-    slot_block = next((n for n in (slot_block, 32, 16) if s % n == 0), s)
-    rows = row_block(b, rows)
+    slot_block = slot_block or SLOT_BLOCK
+    slot_block = s if s <= slot_block else next((n for n in (slot_block, 128, 64, 32, 16) if s % n == 0), s)
+    rows = row_block(b, rows or ROW_BLOCK)
     m = -(-rows * h // 16) * 16  # the block's query heads, padded to whole bfloat16 sublane tiles
     eye = jnp.eye(kh, dtype=q.dtype)
     # (B, K, G, K', Dh): head (k, g)'s q in block k' = k of the width, zeros in the others.
