@@ -136,8 +136,9 @@ def main() -> None:
     parser.add_argument("--note", default="", help="what was run, kept in the output")
     parser.add_argument("--blocks", default="", help="the decode kernel's rows x slots a grid step (default: its own)")
     args = parser.parse_args()
-    if args.blocks:
-        decode_attention.ROW_BLOCK, decode_attention.SLOT_BLOCK = map(int, args.blocks.split("x"))
+    if args.blocks:  # RxS: BlockSpec blocks of R rows by S slots; RpC: the kernel fetches chunks of C itself
+        decode_attention.FETCH, sep = ("prefix", "p") if "p" in args.blocks else ("blocks", "x")
+        decode_attention.ROW_BLOCK, decode_attention.SLOT_BLOCK = map(int, args.blocks.split(sep))
     cfg = DecoderConfig(**SHAPE, dtype="bfloat16", param_dtype="bfloat16")
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     gen = Generator(Decoder(cfg, nnx.Rngs(0)), Tokenizer(models.WordLevel(vocab, "t0")), args.prompt + args.new)
@@ -149,6 +150,7 @@ def main() -> None:
         "note": args.note,
         "decode_kernel": decode_kernel_for(cfg.attention),  # attention_kernels: `decode` (Pallas) or `reference`
         "decode_kernel_blocks": f"{decode_attention.ROW_BLOCK}x{decode_attention.SLOT_BLOCK}",
+        "decode_kernel_fetch": decode_attention.FETCH,
         "decode": [],
     }
     t0 = time.perf_counter()

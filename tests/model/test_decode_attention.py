@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from stagelm.model import decode_attention as decode_attention_module
 from stagelm.model.attention_kernels import decode_kernel_for
 from stagelm.model.decode_attention import decode_attention, row_block
 from stagelm.model.decoder import Decoder, DecoderConfig
@@ -37,9 +38,12 @@ def cache_rows(batch: int, slots: int, heads: int, kv_heads: int, head_dim: int,
         (3, 6, 1, 8, 2, 64, 30),  # the slots in one block
     ],
 )
+@pytest.mark.parametrize("fetch", ["prefix", "blocks"])
 def test_the_kernel_equals_the_reference_and_reads_only_filled_blocks(
-    batch, heads, kv_heads, head_dim, rows, slot_block, filled
+    batch, heads, kv_heads, head_dim, rows, slot_block, filled, fetch, monkeypatch
 ):
+    """Both ways of fetching the slots: the kernel's own DMAs of the filled chunks, and BlockSpecs."""
+    monkeypatch.setattr(decode_attention_module, "FETCH", fetch)
     q, k, v, mask = cache_rows(batch, 64, heads, kv_heads, head_dim, filled)
     want = slot_major_attention(q, k, v, mask)
     past = -(-filled // slot_block) * slot_block  # the first slot of the first block wholly past `filled`
