@@ -8,7 +8,8 @@ Each layer keeps the keys and values of S slots per row, in one of two layouts
   and step (what XLA:CPU runs fastest);
 - slot-major (B, S, K·Dh) on a TPU: a slot's k/v heads side by side, so a decode step
   writes one token per row as a contiguous (B, 1, K·Dh) update in place, and
-  `slot_major_attention` reads it as it lies.
+  `slot_major_attention` reads it as it lies (a generation's decode steps: the Pallas kernel of
+  `stagelm.model.decode_attention`, which reads only the filled slots' blocks).
 
 Either is pinned to its row-major layout (`pinned`) where it is written and where it is
 read. Left to itself, XLA:TPU lays a cache out with the slots minor-most, the layout
