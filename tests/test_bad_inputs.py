@@ -122,6 +122,10 @@ def damage(model: Path, how: str) -> str:
     if how == "params-truncated":
         params.write_bytes(params.read_bytes()[:100])
         return f"{params.resolve()}: sha256 differs from config.json's params_sha256"
+    if how == "params-a-folder":  # not "missing": it is there, as something a load cannot read
+        params.unlink()
+        params.mkdir()
+        return f"{params.resolve()}: not a regular file; write the folder again with the command that made it"
     if how == "tokenizer-permuted":
         (model / "tokenizer.json").write_bytes(permuted_tokenizer(model / "tokenizer.json"))
         return f"{(model / 'tokenizer.json').resolve()}: sha256 differs from config.json's tokenizer_sha256"
@@ -152,6 +156,7 @@ def damage(model: Path, how: str) -> str:
 
 DAMAGE = [
     "params-bit-flip",
+    "params-a-folder",
     "params-truncated",
     "tokenizer-permuted",
     "config-not-json",
@@ -178,6 +183,19 @@ def test_a_damaged_model_is_refused_on_load(monkeypatch, capsys, model_dir, how)
     err = stagelm(monkeypatch, capsys, "export-hf", str(model_dir), str(model_dir.parent / "hf"))
     assert words in err and not (model_dir.parent / "hf").exists()
     assert tree_bytes(model_dir) == before
+
+
+def test_a_damaged_stage_model_is_rebuilt_by_its_stage_and_any_other_by_what_wrote_it(monkeypatch, capsys, model_dir):
+    """The advice names a DVC stage only where the folder is one's output (runs/<stage>/model)."""
+    staged = model_dir.parent / "runs/sft/model"
+    shutil.copytree(model_dir, staged)
+    for folder, advice in (
+        (model_dir, "write the folder again with the command that made it (a stage, import-hf or import-gguf)"),
+        (staged, "rebuild it with `dvc repro -f sft`"),
+    ):
+        damage(folder, "params-bit-flip")
+        err = stagelm(monkeypatch, capsys, "export-hf", str(folder), str(model_dir.parent / "hf"))
+        assert err.endswith(f"(changed or damaged since it was saved); {advice}\n"), err
 
 
 def test_export_hf_replaces_only_a_previous_export_and_never_its_source(monkeypatch, capsys, model_dir, tmp_path):

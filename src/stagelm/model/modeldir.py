@@ -20,6 +20,7 @@ sharded, asynchronous, resumable.
 
 import dataclasses
 import json
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -207,21 +208,30 @@ def verify_model_files(model_dir: Path) -> None:
     raw = model_config_json(model_dir)
     for name, key in ((PARAMS_FILE, "params_sha256"), ("tokenizer.json", "tokenizer_sha256")):
         path = model_dir / name
+        if os.path.lexists(path) and not path.is_file():  # a folder, a pipe, a device or a dangling link
+            raise StagelmError(f"{path}: not a regular file; {restore_advice(model_dir)}")
         if not path.is_file():
-            raise StagelmError(
-                f"{path}: missing; restore it with `dvc checkout --force {model_dir}` or rerun its stage"
-            )
+            raise StagelmError(f"{path}: missing; {restore_advice(model_dir)}")
         if not isinstance(raw.get(key), str):
             raise StagelmError(
                 f"{model_dir / 'config.json'}: no {key}, so {name} cannot be verified; rerun the stage that wrote it"
             )
         if sha256_file(path) != raw[key]:
-            # Not `dvc checkout --force`: with a link cache it restores the same damaged bytes.
-            stage = f"`dvc repro -f {model_dir.parent.name}`" if model_dir.name == "model" else "its stage"
             raise StagelmError(
                 f"{path}: sha256 differs from config.json's {key} (changed or damaged since it was saved); "
-                f"rebuild it with {stage}"
+                f"{restore_advice(model_dir, damaged=True)}"
             )
+
+
+def restore_advice(model_dir: Path, damaged: bool = False) -> str:
+    """What to do about a model folder's missing or damaged file: where the folder is a stage's
+    output (runs/<stage>/model), that stage's rerun; elsewhere, the command that wrote it."""
+    if model_dir.name == "model" and model_dir.parent.parent.name == "runs":
+        stage = model_dir.parent.name
+        # Not `dvc checkout --force` for damaged bytes: with a link cache it restores the same bytes.
+        how = f"`dvc repro -f {stage}`" if damaged else f"`dvc checkout --force {model_dir}` or `dvc repro -f {stage}`"
+        return f"rebuild it with {how}"
+    return "write the folder again with the command that made it (a stage, import-hf or import-gguf)"
 
 
 def run_settings(model: ModelConfig) -> dict[str, Any]:
