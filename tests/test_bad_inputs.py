@@ -185,6 +185,15 @@ def test_a_damaged_model_is_refused_on_load(monkeypatch, capsys, model_dir, how)
     assert tree_bytes(model_dir) == before
 
 
+def test_a_chat_template_that_is_not_text_is_named_not_compiled(monkeypatch, capsys, model_dir):
+    spec = {"template": 5, "eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "bos_token": None, "stop_tokens": []}
+    (model_dir / "chat.json").write_text(json.dumps(spec))
+    err = stagelm(monkeypatch, capsys, "export-hf", str(model_dir), str(model_dir.parent / "hf"))
+    chat = model_dir / "chat.json"
+    assert err == f"error: {chat}: template is int; expected a Jinja string or null; fix or replace it\n"
+    assert not (model_dir.parent / "hf").exists()
+
+
 def test_a_damaged_stage_model_is_rebuilt_by_its_stage_and_any_other_by_what_wrote_it(monkeypatch, capsys, model_dir):
     """The advice names a DVC stage only where the folder is one's output (runs/<stage>/model)."""
     staged = model_dir.parent / "runs/sft/model"

@@ -58,6 +58,9 @@ class ChatFormat:
             self.stops = (self.eos, special_id(tok, END))
             return
         self.template = spec["template"]  # None: a checkpoint without one (a base model), text only
+        if self.template is not None and not isinstance(self.template, str):
+            kind = type(self.template).__name__
+            raise StagelmError(f"{source}: template is {kind}; expected a Jinja string or null; fix or replace it")
         self.eos, self.pad = self.token(spec["eos_token"], "eos_token"), self.token(spec["pad_token"], "pad_token")
         self.bos = self.token(spec["bos_token"], "bos_token") if spec.get("bos_token") else None
         self.add_bos = bool(spec.get("add_bos_token")) and self.bos is not None
