@@ -506,6 +506,11 @@ def test_ports_and_slots_are_checked_before_the_model_loads(long_model, tmp_path
         assert result.stderr.endswith(f", got {value}\n") and result.stderr.count("\n") == 1
     result = serve_flags(long_model, tmp_path, "--port", "0", "--allow-host", "")
     assert result.returncode == 2 and result.stderr == "error: --allow-host: expected a host name, got ''\n"
+    result = serve_flags(long_model, tmp_path, "--port", "0", "--host", "192.0.2.1")  # TEST-NET-1: no machine's own
+    assert result.returncode == 2 and result.stderr == (
+        "error: --host 192.0.2.1: cannot listen on 192.0.2.1:0 (Cannot assign requested address); "
+        "give an address of this machine, such as 127.0.0.1\n"
+    )
     huge = tmp_path / "huge"  # a context of a million positions: 1,024 slots of it hold 64 GiB of KV cache
     shutil.copytree(long_model, huge)
     config = json.loads((huge / "config.json").read_text())

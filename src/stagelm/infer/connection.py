@@ -15,6 +15,7 @@
 """
 
 import asyncio
+import errno
 import http
 import ipaddress
 import json
@@ -205,6 +206,8 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         why = f"cannot listen on {host}:{port} ({err.strerror})"
+        if err.errno == errno.EADDRNOTAVAIL:  # the address is none of this machine's
+            raise StagelmError(f"--host {host}: {why}; give an address of this machine, such as 127.0.0.1") from None
         raise StagelmError(f"--port {port}: {why}; choose another port") from None
     return sock
 
