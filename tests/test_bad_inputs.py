@@ -36,6 +36,12 @@ def stagelm(monkeypatch, capsys, *argv: str) -> str:
     return err
 
 
+def test_a_params_path_that_is_no_file_is_named_so(monkeypatch, capsys, tmp_path):
+    for path in (tmp_path, Path("/dev/null")):
+        err = stagelm(monkeypatch, capsys, "check", "--params", str(path))
+        assert err == f"error: {path}: not a regular file; pass --params the path of a params.yaml\n"
+
+
 @pytest.mark.parametrize("markdown", [[], ["--markdown"]])
 def test_params_shows_a_file_only_once_its_values_pass_check(monkeypatch, capsys, tmp_path, markdown):
     """`stagelm params --params` prints the file's values as each key's default: a value no stage
@@ -46,7 +52,7 @@ def test_params_shows_a_file_only_once_its_values_pass_check(monkeypatch, capsys
     assert err.startswith("error: model.d_modle: unknown key (did you mean 'd_model'?)")
     path.write_text((ROOT / "params.yaml").read_text().replace("  d_model: 128", "  d_model: big", 1))
     err = stagelm(monkeypatch, capsys, "params", "--params", str(path), *markdown)
-    assert err == "error: model.d_model: expected a positive int, got 'big'\n"
+    assert err == "error: model.d_model: expected a positive int of at most 65,536, got 'big'\n"
 
 
 @pytest.mark.parametrize("count", ["0", "-5"])
@@ -140,7 +146,7 @@ def damage(model: Path, how: str) -> str:
     if how == "config-heads-zero":
         raw["n_heads"] = 0
         config.write_text(json.dumps(raw))
-        return f"{config}: n_heads: expected a positive int, got 0"
+        return f"{config}: n_heads: expected a positive int of at most 1,024, got 0"
     if how in ("config-rope-negative", "config-eps-negative"):
         field = "rope_theta" if how == "config-rope-negative" else "norm_eps"
         raw[field] = -1.0
@@ -458,9 +464,10 @@ def stage_cmd(script: str, micro_data: Path, model: Path | None = None) -> list[
     return [sys.executable, str(ROOT / "stages" / script), *args]
 
 
+HUGE_MODEL = {"n_layers": 1024, "d_ff": 1 << 20}  # within every size bound, past any one machine
 SIZES = [  # (script, params edit, the start of the one-line error)
     ("pack.py", {"pack": {"seq_len": 1_000_000_000}}, "pack.seq_len: a shard of pack.rows_per_shard 32 rows × "),
-    ("pretrain.py", {"model": {"n_layers": 1_000_000}}, "model: 9,280,009,632 parameters with their gradients"),
+    ("pretrain.py", {"model": HUGE_MODEL}, "model: 103,082,436,000 parameters with their gradients"),
     ("pretrain.py", {"training": {"batch_size": 10_000}}, "training.batch_size: 10000 × training.grad_accum 1 rows"),
     ("eval.py", {"eval": {"max_new_tokens": 100_000_000}}, "eval.max_new_tokens: generating "),
     ("benchmark.py", {"benchmark": {"matmul_size": 10_000_000}}, "benchmark.matmul_size: the benchmark's matmul"),
@@ -648,6 +655,11 @@ def test_export_gguf_never_writes_over_a_file_unless_told(monkeypatch, capsys, m
 # --- import-hf and import-gguf: the tensors against the config, one checker for both ---------
 
 WEIGHTS = [  # (config.json changes, tensor changes (name → array, None = removed), words of the error)
+    (
+        {"tie_word_embeddings": False},
+        {},
+        "tensor lm_head.weight is missing, though tie_word_embeddings is false; set it true if the output layer",
+    ),
     (
         {"intermediate_size": 48},
         {},

@@ -24,13 +24,23 @@ def test_micro_params_parse():
         load_section(params, name)
 
 
+SWAMP = "(the update of one step would swamp any weight)"
+
+
 @pytest.mark.parametrize(
     ("section", "key", "value", "message"),
     [
         ("pack", "seq_len", "long", "pack.seq_len: expected an int >= 2, got 'long'"),
         ("pack", "seq_len", 1, "pack.seq_len: expected an int >= 2, got 1"),
-        ("training", "lr", "fast", "training.lr: expected a positive float, got 'fast'"),
-        ("training", "lr", -1.0, "training.lr: expected a positive float, got -1.0"),
+        ("training", "lr", "fast", f"training.lr: expected a positive float of at most 10 {SWAMP}, got 'fast'"),
+        ("training", "lr", -1.0, f"training.lr: expected a positive float of at most 10 {SWAMP}, got -1.0"),
+        ("model", "d_model", 10**9, "model.d_model: expected a positive int of at most 65,536, got 1000000000"),
+        (
+            "training",
+            "batch_size",
+            2**21,
+            "training.batch_size: expected a positive int of at most 1,048,576, got 2097152",
+        ),
         ("training", "steps", True, "training.steps: expected a positive int of at most 1,000,000,000, got True"),
         (
             "training",
@@ -160,7 +170,7 @@ def test_stagelm_check_cli(tmp_path, micro_data):
     assert "ok: eval (generation): about " in ok.stdout  # the estimates it can make, against this machine
     assert "ok: pack (a shard's buffers): about " in ok.stdout  # and the data stages' (stagelm.data.footprint)
     assert "ok: download (the synthetic corpus, generated in memory): about " in ok.stdout
-    write_params(params, micro_params(model={"n_layers": 1_000_000}))
+    write_params(params, micro_params(model={"n_layers": 1024, "d_ff": 1 << 20}))
     huge = run(
         [sys.executable, "-m", "stagelm.cli", "check", "--params", str(params), "--pipeline", str(pipeline)],
         micro_data.parent,

@@ -171,6 +171,11 @@ def check_llama_tensors(
                     f"{where}: {keys['layers']} is {cfg.n_layers} but tensor {named(name)} is missing; "
                     f"set {keys['layers']} to the layers the weights have"
                 )
+            if name == "lm_head.weight":  # asked for by an untied config, absent from the weights
+                raise StagelmError(
+                    f"{where}: tensor {named(name)} is missing, though {keys['tie']} is false; set it true "
+                    "if the output layer shares the embedding's weights"
+                )
             raise StagelmError(f"{where}: tensor {named(name)} is missing")
         values = tensors[name]
         if values.shape != shape:

@@ -25,6 +25,14 @@ POSITIVE = (lambda v: v > 0, "a positive {type}")
 NON_NEGATIVE = (lambda v: v >= 0, "a non-negative {type}")
 FRACTION = (lambda v: 0 < v < 1, "a {type} in (0, 1)")
 UNIT = (lambda v: 0 <= v <= 1, "a {type} in [0, 1]")
+
+
+def at_most(bound: int) -> tuple:
+    """A positive size no larger than `bound`, far past any run today (a model's sizes: import-hf's
+    limits for a checkpoint's, interop.llama_state.LIMITS)."""
+    return (lambda v: 0 < v <= bound, f"a positive {{type}} of at most {bound:,}")
+
+
 DECAY = (lambda v: 0 <= v < 1, "a {type} in [0, 1) (at 1 the average never moves and Adam divides by 0)")
 MESH_AXIS = (lambda v: v == -1 or v >= 1, "-1 (infer) or a positive {type}")
 SEED = (lambda v: 0 <= v < 2**32, "an {type} in [0, 2**32)")  # what jax.random.key and numpy's generators take
@@ -165,11 +173,11 @@ class ModelShape:
     """A decoder's sizes: the one home of these keys, shared by `model`, `distill.student`
     and `benchmark` (model.decoder.DecoderConfig adds the vocabulary and the rest at run time)."""
 
-    d_model: int = param("residual width", POSITIVE)
-    n_layers: int = param("decoder blocks", POSITIVE)
-    n_heads: int = param("attention heads; must divide d_model, with an even head size (RoPE)", POSITIVE)
-    n_kv_heads: int = param("key/value heads (grouped-query attention); must divide n_heads", POSITIVE)
-    d_ff: int = param("SwiGLU hidden width", POSITIVE)
+    d_model: int = param("residual width", at_most(1 << 16))
+    n_layers: int = param("decoder blocks", at_most(1024))
+    n_heads: int = param("attention heads; must divide d_model, with an even head size (RoPE)", at_most(1024))
+    n_kv_heads: int = param("key/value heads (grouped-query attention); must divide n_heads", at_most(1024))
+    d_ff: int = param("SwiGLU hidden width", at_most(1 << 20))
 
     def validate(self, prefix: str) -> None:
         """Attention shape rules, naming the keys under `prefix` (e.g. distill.student)."""
@@ -278,7 +286,7 @@ class TrainingConfig(OptimizerConfig):
     section: ClassVar[str] = "training"
     batch_key: ClassVar[str] = "training.batch_size"
 
-    batch_size: int = param("global rows per microbatch", POSITIVE)
+    batch_size: int = param("global rows per microbatch", at_most(1 << 20))
     grad_accum: int = param("microbatches accumulated per optimizer step", POSITIVE)
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -64,6 +65,8 @@ def read_yaml(path: Path) -> Any:
 def read_params(path: str | Path) -> dict[str, Any]:
     """Read params.yaml as a mapping, with DVC's number rules (`read_yaml`)."""
     path = Path(path)
+    if os.path.lexists(path) and not path.is_file():  # a folder, a device, a pipe, a dangling link
+        raise StagelmError(f"{path}: not a regular file; pass --params the path of a params.yaml")
     if not path.is_file():
         raise StagelmError(f"{path}: params file not found; run from the project root or pass --params")
     params = read_yaml(path)
