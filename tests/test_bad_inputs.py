@@ -781,6 +781,7 @@ GGUF_CASES = [  # (metadata changes, tensor changes, words of the error)
         "tokenizer.ggml.token_type holds 'normal', not one of llama.cpp's token types 0 to 6",
     ),
     ({"tokenizer.ggml.token_type": ([99] * 300, "ARRAY", "INT32")}, {}, "tokenizer.ggml.token_type holds '99', not"),
+    ({"tokenizer.ggml.token_type": ([True] * 300, "ARRAY", "BOOL")}, {}, "tokenizer.ggml.token_type holds 'True', not"),
     ({"tokenizer.chat_template": (5, "UINT32")}, {}, "tokenizer.chat_template is '5'; expected a Jinja string"),
     ({"tokenizer.ggml.add_bos_token": ("yes", "STRING")}, {}, "add_bos_token = 'yes'; expected true or false"),
     ({"tokenizer.ggml.pre": (["smollm"], "ARRAY", "STRING")}, {}, "tokenizer.ggml.pre ['smollm'] is not a pre-"),

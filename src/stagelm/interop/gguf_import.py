@@ -325,8 +325,9 @@ def gguf_vocabulary(reader: Any, path: Path) -> tuple[list[str], list[int], list
             f"{path}: tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no list of'} "
             f"entries for {len(tokens)} tokens; the file is damaged"
         )
-    wrong = next((t for t in types if not isinstance(t, numbers.Integral) or t not in TOKEN_TYPES), None)
-    if wrong is not None or any(isinstance(t, bool) for t in types):
+    valid = (isinstance(t, numbers.Integral) and not isinstance(t, bool) and t in TOKEN_TYPES for t in types)
+    wrong = next((t for t, ok in zip(types, valid, strict=True) if not ok), None)
+    if wrong is not None:
         raise StagelmError(
             f"{path}: tokenizer.ggml.token_type holds {str(wrong)[:40]!r}, not one of llama.cpp's token types "
             f"{TOKEN_TYPES.start} to {TOKEN_TYPES.stop - 1}; the file is damaged"
