@@ -511,6 +511,14 @@ def test_ports_and_slots_are_checked_before_the_model_loads(long_model, tmp_path
         "error: --host 192.0.2.1: cannot listen on 192.0.2.1:0 (Cannot assign requested address); "
         "give an address of this machine, such as 127.0.0.1\n"
     )
+    looping = tmp_path / "looping"  # a chat.json whose template no request could get through
+    shutil.copytree(long_model, looping)
+    spec = {"template": "{% for i in range(10**12) %}x{% endfor %}", "bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    spec |= {"pad_token": "<|pad|>", "stop_tokens": ["<|eos|>", "<|end|>"], "add_bos_token": False, "unk_token": None}
+    (looping / "chat.json").write_text(json.dumps(spec))
+    result = serve_flags(looping, tmp_path, "--port", "0")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: {looping / 'chat.json'}: its chat template cannot render one user turn (")
     huge = tmp_path / "huge"  # a context of a million positions: 1,024 slots of it hold 64 GiB of KV cache
     shutil.copytree(long_model, huge)
     config = json.loads((huge / "config.json").read_text())

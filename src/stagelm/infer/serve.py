@@ -46,7 +46,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from stagelm.data.template_sandbox import CLOCK, STOPPING, Turns
+from stagelm.data.template_sandbox import CLOCK, STOPPING, ChatRenderError, Turns
 from stagelm.infer.connection import LOOPBACK_NAMES, MAX_HEAD, HostCheck, deadline_protocol, is_loopback, listen
 from stagelm.infer.engine import Engine, Request
 from stagelm.infer.generate import load_generator
@@ -77,9 +77,24 @@ def inline_json(value: Any) -> str:
     return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def require_renderable(chat: Any, model_dir: Path) -> None:
+    """Refuse, before compiling, a chat template that cannot render one user turn (as import-hf and
+    import-gguf refuse it): every chat request would fail."""
+    if chat.template is None:
+        return
+    try:
+        chat.render([{"role": "user", "content": "Hi."}], add_generation_prompt=True)
+    except ChatRenderError as err:
+        raise StagelmError(
+            f"{model_dir / 'chat.json'}: its chat template cannot render one user turn ({err.reason}); "
+            "fix or replace it (or import the checkpoint again)"
+        ) from None
+
+
 class Server:
     def __init__(self, model_dir: Path, name: str, slots: int, queue: int, hosts: tuple[str, ...] = ()):
         self.gen = load_generator(model_dir)
+        require_renderable(self.gen.chat, model_dir)
         self.sampling = read_sampling_defaults(model_dir)  # its generation_config.json's, for requests giving none
         cfg = self.gen.model.cfg
         cache = kv_cache_bytes(cfg, slots, self.gen.capacity)
