@@ -191,6 +191,28 @@ def test_a_damaged_model_is_refused_on_load(monkeypatch, capsys, model_dir, how)
     assert tree_bytes(model_dir) == before
 
 
+def test_a_symlink_loop_is_named_in_one_line(monkeypatch, capsys, model_dir, tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for argv in (
+        ["export-gguf", str(model_dir), str(tmp_path / "a/x.gguf")],
+        ["export-hf", str(model_dir), str(tmp_path / "a")],
+    ):
+        err = stagelm(monkeypatch, capsys, *argv)
+        assert err == f"error: {tmp_path / 'a'}: a symlink loop; give a real path\n"
+
+
+def test_a_transformers_folder_given_as_a_model_is_sent_to_import_hf(monkeypatch, capsys, model_dir, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-hf", str(model_dir), str(tmp_path / "hf")])
+    cli.main()
+    for argv in (["export-gguf", str(tmp_path / "hf"), str(tmp_path / "x.gguf")], ["generate", str(tmp_path / "hf")]):
+        err = stagelm(monkeypatch, capsys, *argv, *(["--prompt", "a"] if argv[0] == "generate" else []))
+        assert err == (
+            f"error: {tmp_path / 'hf'}: a transformers checkpoint, not a stagelm model folder; import it first "
+            f"(`stagelm import-hf {tmp_path / 'hf'} <folder>`) and give that folder\n"
+        )
+
+
 def test_a_chat_template_that_is_not_text_is_named_not_compiled(monkeypatch, capsys, model_dir):
     spec = {"template": 5, "eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "bos_token": None, "stop_tokens": []}
     (model_dir / "chat.json").write_text(json.dumps(spec))
@@ -1197,6 +1219,37 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_folder(monkeypatch, 
         f"an empty path; give a file or folder; see `stagelm {command} --help`\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "words"),
+    [
+        ("type", "metadata llama.context_length has value type 99, none of GGUF's; the file is damaged"),
+        ("key", "metadata key 0 is not UTF-8 text; the file is damaged"),
+        ("tensor", "tensor 0's name is not UTF-8 text; the file is damaged"),
+    ],
+)
+def test_import_gguf_names_a_header_it_cannot_walk(monkeypatch, capsys, model_dir, tmp_path, where, words):
+    """A value type no GGUF has (past it every later length would be read out of step) and a key or
+    tensor name that is not UTF-8: named in one line, not in Python's or numpy's words."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    monkeypatch.setattr(sys, "argv", ["stagelm", "export-gguf", str(model_dir), str(path)])
+    cli.main()
+    reader = gguf.GGUFReader(str(path), "r+")
+    if where == "type":
+        reader.fields["llama.context_length"].parts[2][0] = 99  # the value's type, through the memory map
+    elif where == "key":
+        first = next(f for name, f in reader.fields.items() if not name.startswith("GGUF."))  # not the header's
+        first.parts[1][0] = 0xFF  # the first key's first byte
+    else:
+        reader.tensors[0].field.parts[1][0] = 0xFF  # the first tensor's name's first byte
+    reader.data.flush()
+    del reader
+    err = stagelm(monkeypatch, capsys, "import-gguf", str(path), str(tmp_path / "out"))
+    assert err == f"error: {path}: {words}\n"
+    assert not (tmp_path / "out").exists()
 
 
 def test_import_gguf_reads_a_file_aligned_to_64_bytes(monkeypatch, capsys, model_dir, tmp_path):

@@ -104,6 +104,8 @@ def error_line(err: BaseException) -> str | None:
         return f"the device ran out of memory ({figure[:200]}); use smaller sizes (batch_size, seq_len, slots)"
     if isinstance(err, RuntimeError) and "libtpu" in str(err) and "lockfile" in str(err):
         return TPU_TAKEN
+    if isinstance(err, RuntimeError) and str(err).startswith("Symlink loop from "):  # pathlib's resolve() (3.11)
+        return f"{str(err).removeprefix('Symlink loop from ').strip(chr(39))}: a symlink loop; give a real path"
     return None
 
 

@@ -92,6 +92,13 @@ class HeaderWalk:
         self.at += n
         return self.at - n
 
+    def text(self, start: int, what: str) -> str:
+        """The string from `start` to where the walk stands (its first 200 characters), as UTF-8."""
+        try:
+            return bytes(self.data[start : self.at]).decode()[:200]
+        except UnicodeDecodeError:
+            raise StagelmError(f"{self.path}: {what} is not UTF-8 text; the file is damaged") from None
+
     def number(self, fmt: str, what: str) -> int:
         return struct.unpack_from(self.order + fmt, self.data, self.take(struct.calcsize(fmt), what))[0]
 
@@ -107,6 +114,8 @@ class HeaderWalk:
                 self.at = first  # they fit: walk them
                 for _ in range(count):
                     self.value(item, what)
+        else:  # past it the walk would read out of step: every later length a wrong number
+            raise StagelmError(f"{self.path}: {what} has value type {kind}, none of GGUF's; the file is damaged")
 
     def walk(self) -> None:
         tensors, keys = self.number("Q", "the tensor count"), self.number("Q", "the metadata count")
@@ -114,7 +123,7 @@ class HeaderWalk:
         alignment = 32
         for i in range(keys):
             start = self.take(self.number("Q", f"metadata key {i}"), f"metadata key {i}")
-            key = bytes(self.data[start : min(self.at, start + 200)]).decode(errors="replace")
+            key = self.text(start, f"metadata key {i}")
             kind = self.number("I", key)
             if key == "general.alignment" and kind == 4:  # a UINT32, as the reader requires
                 alignment = self.number("I", key) or 32
@@ -135,7 +144,7 @@ class HeaderWalk:
         from gguf import GGML_QUANT_SIZES
 
         start = self.take(self.number("Q", f"tensor {i}'s name"), f"tensor {i}'s name")
-        name = bytes(self.data[start : min(self.at, start + 200)]).decode(errors="replace")
+        name = self.text(start, f"tensor {i}'s name")
         dims = self.number("I", f"tensor {name}")
         self.take(min(dims, 2**32) * 8, f"tensor {name}'s {dims:,} dimensions")
         count = math.prod(struct.unpack_from(f"{self.order}{dims}Q", self.data, self.at - dims * 8))

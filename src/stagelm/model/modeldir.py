@@ -152,6 +152,11 @@ def read_model_config(model_dir: str | Path) -> DecoderConfig:
     """The DecoderConfig of config.json, every field type- and range-checked (one line naming the field)."""
     path = Path(model_dir) / "config.json"
     raw = model_config_json(model_dir)
+    if "d_model" not in raw and ("model_type" in raw or "architectures" in raw):  # transformers' own config
+        raise StagelmError(
+            f"{model_dir}: a transformers checkpoint, not a stagelm model folder; import it first "
+            f"(`stagelm import-hf {model_dir} <folder>`) and give that folder"
+        )
     hints = typing.get_type_hints(DecoderConfig)
     values = {}
     for field in dataclasses.fields(DecoderConfig):
