@@ -36,10 +36,19 @@ def stagelm(monkeypatch, capsys, *argv: str) -> str:
     return err
 
 
+CHECK = "stagelm check"
+
+
 def test_a_params_path_that_is_no_file_is_named_so(monkeypatch, capsys, tmp_path):
     for path in (tmp_path, Path("/dev/null")):
         err = stagelm(monkeypatch, capsys, "check", "--params", str(path))
         assert err == f"error: {path}: not a regular file; pass --params the path of a params.yaml\n"
+    for flag in ("--params", "--pipeline"):  # not taken for the current folder
+        err = stagelm(monkeypatch, capsys, "check", flag, "")
+        assert (
+            err
+            == f"error: stagelm check: argument {flag}: an empty path; give a file or folder; see `{CHECK} --help`\n"
+        )
 
 
 @pytest.mark.parametrize("markdown", [[], ["--markdown"]])

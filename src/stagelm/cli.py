@@ -138,8 +138,8 @@ def print_estimates(sections: dict, estimates: dict[str, int]) -> None:
 
 def add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="validate params.yaml and the data manifests that exist")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--pipeline", default="dvc.yaml")
+    p.add_argument("--params", default="params.yaml", type=path_arg)
+    p.add_argument("--pipeline", default="dvc.yaml", type=path_arg)
     p.set_defaults(func=check)
 
 
@@ -216,7 +216,7 @@ def add_inspect(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("inspect", help="summarise one stage run directory")
     p.add_argument("run_dir")
-    p.add_argument("--pipeline", default="dvc.yaml")
+    p.add_argument("--pipeline", default="dvc.yaml", type=path_arg)
     p.set_defaults(func=inspect)
 
 
@@ -228,7 +228,7 @@ def add_params(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("params", help="list every params.yaml key with its default and meaning")
     p.add_argument("--markdown", action="store_true", help="print the reference page (docs/params.md)")
-    p.add_argument("--params", default="params.yaml", help="the file whose values are shown as defaults")
+    p.add_argument("--params", default="params.yaml", type=path_arg, help="the file whose values are shown as defaults")
     p.set_defaults(func=params)
 
 
