@@ -24,16 +24,13 @@ def test_micro_params_parse():
         load_section(params, name)
 
 
-SWAMP = "(the update of one step would swamp any weight)"
-
-
 @pytest.mark.parametrize(
     ("section", "key", "value", "message"),
     [
         ("pack", "seq_len", "long", "pack.seq_len: expected an int >= 2, got 'long'"),
         ("pack", "seq_len", 1, "pack.seq_len: expected an int >= 2, got 1"),
-        ("training", "lr", "fast", f"training.lr: expected a positive float of at most 10 {SWAMP}, got 'fast'"),
-        ("training", "lr", -1.0, f"training.lr: expected a positive float of at most 10 {SWAMP}, got -1.0"),
+        ("training", "lr", "fast", "training.lr: expected a positive float, got 'fast'"),
+        ("training", "lr", -1.0, "training.lr: expected a positive float, got -1.0"),
         ("model", "d_model", 10**9, "model.d_model: expected a positive int of at most 65,536, got 1000000000"),
         (
             "training",

@@ -248,10 +248,7 @@ class OptimizerConfig:
     # The key that sets how many rows a micro-batch holds, named when the rows do not fit the mesh.
     batch_key: ClassVar[str]
 
-    lr: float = param(
-        "AdamW's peak learning rate",
-        (lambda v: 0 < v <= 10, "a positive {type} of at most 10 (the update of one step would swamp any weight)"),
-    )
+    lr: float = param("AdamW's peak learning rate", POSITIVE)
     min_lr_ratio: float = param("final learning rate of cosine and wsd, as a fraction of lr", UNIT)
     schedule: str = param("learning-rate schedule after the warmup", one_of("constant", "cosine", "wsd"))
     warmup_steps: int = param("linear warmup steps; must be below steps", NON_NEGATIVE)
